@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs everything the build, the tests and the demo need on a fresh Debian 12 machine:
+# Debian packages (PostgreSQL 15 server + headers, clang for bindgen, redis-server, sudo),
+# the pinned cargo-pgrx, and its one-time `init` against the system PostgreSQL.
+# Idempotent: each step is skipped when already done, so it is cheap to call from every script.
+set -euo pipefail
+
+PGRX_VERSION=0.18.1
+PG_MAJOR=15
+PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
+
+need_pkgs=()
+for pkg in postgresql-$PG_MAJOR postgresql-server-dev-$PG_MAJOR libclang-dev clang pkg-config \
+           redis-server sudo ca-certificates python3; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_pkgs+=("$pkg")
+done
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  echo "install-deps: installing Debian packages: ${need_pkgs[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+fi
+
+export PATH="$HOME/.cargo/bin:$PATH"
+if ! cargo pgrx --version 2>/dev/null | grep -q "$PGRX_VERSION"; then
+  echo "install-deps: installing cargo-pgrx $PGRX_VERSION (takes a few minutes)"
+  cargo install cargo-pgrx --version "=$PGRX_VERSION" --locked
+fi
+
+# Re-running init rewrites config.toml and forces a rebuild of pgrx-pg-sys: only do it once.
+PGRX_HOME=${PGRX_HOME:-$HOME/.pgrx}
+if [ ! -f "$PGRX_HOME/config.toml" ] || ! grep -q "pg$PG_MAJOR" "$PGRX_HOME/config.toml"; then
+  cargo pgrx init --pg$PG_MAJOR "$PG_CONFIG"
+fi

@@ -1,0 +1,131 @@
+//! How a claimed outbox row becomes a Redis stream entry: its stream key and its fields.
+//! Pure functions, so that they are unit-tested and fuzzed without PostgreSQL or Redis.
+
+/// One claimed row, with every value already in the text form it is sent in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEvent {
+    pub id: i64,
+    pub event_id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub event_type: String,
+    /// The payload's JSON text.
+    pub payload: String,
+    /// The headers' JSON text, when the event has headers.
+    pub headers: Option<String>,
+    /// The stream given at enqueue, if any; otherwise the template decides.
+    pub stream: Option<String>,
+    /// RFC 3339 with microseconds, UTC.
+    pub created_at: String,
+}
+
+/// Substitutes `{aggregate_type}` and `{event_type}` in `template`, in one pass, so that a value
+/// that itself contains a placeholder is inserted verbatim and never expanded again. Any other
+/// text, braces included, is kept as written.
+pub fn render_stream_template(template: &str, aggregate_type: &str, event_type: &str) -> String {
+    const AGGREGATE_TYPE: &str = "{aggregate_type}";
+    const EVENT_TYPE: &str = "{event_type}";
+    let mut out = String::with_capacity(template.len() + aggregate_type.len() + event_type.len());
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let tail = &rest[open..];
+        if let Some(after) = tail.strip_prefix(AGGREGATE_TYPE) {
+            out.push_str(aggregate_type);
+            rest = after;
+        } else if let Some(after) = tail.strip_prefix(EVENT_TYPE) {
+            out.push_str(event_type);
+            rest = after;
+        } else {
+            out.push('{');
+            rest = &tail[1..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+impl OutboxEvent {
+    /// The stream key this event goes to: its own `stream`, or the rendered template.
+    pub fn stream_key(&self, template: &str) -> String {
+        match &self.stream {
+            Some(stream) => stream.clone(),
+            None => render_stream_template(template, &self.aggregate_type, &self.event_type),
+        }
+    }
+
+    /// The entry's field/value pairs, in a fixed order. `headers` is present only when the event
+    /// has headers.
+    pub fn fields(&self) -> Vec<(&'static str, String)> {
+        let mut fields = vec![
+            ("event_id", self.event_id.clone()),
+            ("outbox_id", self.id.to_string()),
+            ("aggregate_type", self.aggregate_type.clone()),
+            ("aggregate_id", self.aggregate_id.clone()),
+            ("event_type", self.event_type.clone()),
+            ("payload", self.payload.clone()),
+        ];
+        if let Some(headers) = &self.headers {
+            fields.push(("headers", headers.clone()));
+        }
+        fields.push(("created_at", self.created_at.clone()));
+        fields
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event() -> OutboxEvent {
+        OutboxEvent {
+            id: 7,
+            event_id: "0190a5b2-0000-7000-8000-000000000000".into(),
+            aggregate_type: "payment".into(),
+            aggregate_id: "42".into(),
+            event_type: "payment.created".into(),
+            payload: r#"{"amount": 100}"#.into(),
+            headers: None,
+            stream: None,
+            created_at: "2026-11-29T20:00:00.123456Z".into(),
+        }
+    }
+
+    #[test]
+    fn template_substitutes_both_placeholders() {
+        assert_eq!(
+            render_stream_template("app:{aggregate_type}:{event_type}", "payment", "payment.created"),
+            "app:payment:payment.created"
+        );
+    }
+
+    #[test]
+    fn template_keeps_unknown_braces_and_does_not_reexpand_values() {
+        assert_eq!(render_stream_template("{x}{aggregate_type}{", "{event_type}", "e"), "{x}{event_type}{");
+        assert_eq!(render_stream_template("plain", "a", "e"), "plain");
+        assert_eq!(render_stream_template("", "a", "e"), "");
+        assert_eq!(render_stream_template("{{aggregate_type}}", "a", "e"), "{a}");
+    }
+
+    #[test]
+    fn stream_key_prefers_the_events_own_stream() {
+        let mut e = event();
+        assert_eq!(e.stream_key("outbox:{aggregate_type}"), "outbox:payment");
+        e.stream = Some("custom".into());
+        assert_eq!(e.stream_key("outbox:{aggregate_type}"), "custom");
+    }
+
+    #[test]
+    fn fields_include_headers_only_when_present() {
+        let mut e = event();
+        let names: Vec<_> = e.fields().iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            names,
+            ["event_id", "outbox_id", "aggregate_type", "aggregate_id", "event_type", "payload", "created_at"]
+        );
+        e.headers = Some(r#"{"trace":"t"}"#.into());
+        let fields = e.fields();
+        assert!(fields.contains(&("headers", r#"{"trace":"t"}"#.to_string())));
+        assert!(fields.contains(&("outbox_id", "7".to_string())));
+    }
+}

@@ -1,0 +1,232 @@
+//! Every `outbox.*` setting: the statics PostgreSQL writes into, their registration, and typed
+//! accessors. Settings read only by the worker are `SIGHUP` (or `POSTMASTER` when they shape
+//! worker registration); settings that may hold a secret are `SUPERUSER_ONLY` and never logged.
+
+use std::ffi::CString;
+use std::os::raw::c_char;
+use std::time::Duration;
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use pgrx::pg_sys;
+
+use crate::sink::redis::redact_url;
+
+/// `outbox.redis_url` (default `redis://127.0.0.1:6379`, reload): where the relay publishes.
+/// `redis://` or `rediss://`, may carry a user and password; shown to superusers only, masked.
+static REDIS_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379"));
+
+/// `outbox.redis_password_file` (default empty, reload): a file holding the Redis password, so
+/// that the password appears in no setting and no log line. Read at every (re)connect.
+static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+/// `outbox.redis_timeout` (default 5s, reload): connect, read and write timeout towards Redis.
+static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
+
+/// `outbox.database` (default `postgres`, restart): the database whose outbox the relay drains.
+static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+
+/// `outbox.batch_size` (default 100, reload): rows claimed and pipelined to Redis per round trip.
+static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
+
+/// `outbox.poll_interval` (default 1s, reload): safety-net poll; commits wake the relay at once.
+static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+
+/// `outbox.stream` (default `outbox:{aggregate_type}`, reload): stream key template for events
+/// enqueued without an explicit stream. `{aggregate_type}` and `{event_type}` are substituted.
+static STREAM_TEMPLATE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"outbox:{aggregate_type}"));
+
+/// `outbox.stream_maxlen` (default 0 = never trim, reload): approximate `MAXLEN ~` for XADD.
+static STREAM_MAXLEN: GucSetting<i32> = GucSetting::<i32>::new(0);
+
+/// `outbox.max_payload_size` (default 1MB, superuser may change per session): largest payload,
+/// as JSON text, that `outbox_enqueue` accepts.
+static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+
+/// `outbox.lease` (default 30s, reload): how long a claimed row may stay `publishing` before it
+/// is returned to `pending` (its relay died, hung or lost its connection).
+static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+
+/// `outbox.enabled` (default on, reload): off makes the relay idle; enqueue keeps working.
+static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+
+/// Registers every setting. `outbox.database` is `POSTMASTER`, which PostgreSQL only allows while
+/// preloading, so it is defined only then.
+pub fn init(preloading: bool) {
+    // SAFETY: `show_redis_url` is a `#[pg_guard]`ed show hook that only reads the setting.
+    unsafe {
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.redis_url",
+            c"Redis URL the relay publishes to (redis:// or rediss://).",
+            c"May contain a password; visible to superusers only and shown with the password masked. \
+              Prefer outbox.redis_password_file for the password.",
+            &REDIS_URL,
+            GucContext::Sighup,
+            GucFlags::SUPERUSER_ONLY,
+            None,
+            None,
+            Some(show_redis_url),
+        );
+    }
+    GucRegistry::define_string_guc(
+        c"outbox.redis_password_file",
+        c"File holding the Redis password (overrides one in outbox.redis_url).",
+        c"Read at every connect; keeps the password out of settings and logs.",
+        &REDIS_PASSWORD_FILE,
+        GucContext::Sighup,
+        GucFlags::SUPERUSER_ONLY,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.redis_timeout",
+        c"Connect, read and write timeout for Redis.",
+        c"A Redis that does not answer within it counts as unavailable; the batch is retried later.",
+        &REDIS_TIMEOUT_MS,
+        10,
+        600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    if preloading {
+        GucRegistry::define_string_guc(
+            c"outbox.database",
+            c"Database whose outbox the relay worker drains.",
+            c"Takes effect at server start.",
+            &DATABASE,
+            GucContext::Postmaster,
+            GucFlags::empty(),
+        );
+    }
+    GucRegistry::define_int_guc(
+        c"outbox.batch_size",
+        c"Events claimed and pipelined to Redis per round trip.",
+        c"",
+        &BATCH_SIZE,
+        1,
+        10_000,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.poll_interval",
+        c"How often the relay looks for work when no commit woke it.",
+        c"Commits that enqueue wake the relay at once; this is only the safety net.",
+        &POLL_INTERVAL_MS,
+        10,
+        3_600_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.stream",
+        c"Stream key template for events enqueued without a stream.",
+        c"{aggregate_type} and {event_type} are replaced by the event's values.",
+        &STREAM_TEMPLATE,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.stream_maxlen",
+        c"Approximate maximum stream length (XADD MAXLEN ~); 0 never trims.",
+        c"",
+        &STREAM_MAXLEN,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_payload_size",
+        c"Largest payload (as JSON text) outbox_enqueue accepts.",
+        c"",
+        &MAX_PAYLOAD_SIZE,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.lease",
+        c"How long a claimed event may stay publishing before it is returned to pending.",
+        c"Claims of a relay that exited are returned at once; this bounds claims of a hung one.",
+        &LEASE_MS,
+        1_000,
+        86_400_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.enabled",
+        c"Whether the relay publishes; off pauses it while enqueue keeps working.",
+        c"",
+        &ENABLED,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
+    // SAFETY: called from _PG_init with a valid, static, NUL-terminated prefix.
+    unsafe { pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
+}
+
+fn string_of(setting: &GucSetting<Option<CString>>) -> String {
+    setting.get().map(|value| value.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+pub fn redis_url() -> String {
+    string_of(&REDIS_URL)
+}
+
+/// The password file path, or `None` when unset.
+pub fn redis_password_file() -> Option<String> {
+    Some(string_of(&REDIS_PASSWORD_FILE)).filter(|path| !path.is_empty())
+}
+
+pub fn redis_timeout() -> Duration {
+    Duration::from_millis(REDIS_TIMEOUT_MS.get().max(1) as u64)
+}
+
+pub fn database() -> String {
+    string_of(&DATABASE)
+}
+
+pub fn batch_size() -> usize {
+    BATCH_SIZE.get().max(1) as usize
+}
+
+pub fn poll_interval() -> Duration {
+    Duration::from_millis(POLL_INTERVAL_MS.get().max(1) as u64)
+}
+
+pub fn stream_template() -> String {
+    string_of(&STREAM_TEMPLATE)
+}
+
+/// `None` when trimming is off.
+pub fn stream_maxlen() -> Option<u64> {
+    Some(STREAM_MAXLEN.get() as u64).filter(|&n| n > 0)
+}
+
+pub fn max_payload_size() -> i32 {
+    MAX_PAYLOAD_SIZE.get()
+}
+
+pub fn lease_ms() -> i32 {
+    LEASE_MS.get()
+}
+
+pub fn enabled() -> bool {
+    ENABLED.get()
+}
+
+/// Shows `outbox.redis_url` with its password masked, in `SHOW`, `current_setting()` and
+/// `pg_settings` alike, so that even superusers' monitoring never prints the secret.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn show_redis_url() -> *const c_char {
+    thread_local! {
+        static SHOWN: std::cell::RefCell<CString> = std::cell::RefCell::new(CString::default());
+    }
+    let masked = CString::new(redact_url(&redis_url())).unwrap_or_default();
+    // PostgreSQL copies the returned string before the next call, so a per-process buffer is enough.
+    SHOWN.with(|shown| {
+        *shown.borrow_mut() = masked;
+        shown.borrow().as_ptr()
+    })
+}

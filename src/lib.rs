@@ -1,0 +1,81 @@
+//! outbox_pg: the transactional outbox inside PostgreSQL.
+//!
+//! `outbox_enqueue()` writes an event in the caller's transaction; a background worker publishes
+//! committed events to Redis Streams. Module map:
+//! - `guc`: every `outbox.*` setting.
+//! - `api`: SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
+//! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
+//! - `worker`: the launcher and relay background workers.
+//! - `sink`: the only code that speaks to Redis; `entry`: a row as a stream entry.
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pgrx::prelude::*;
+
+mod api;
+mod entry;
+mod guc;
+mod shmem;
+mod sink;
+mod wake;
+mod worker;
+
+pub use entry::{render_stream_template, OutboxEvent};
+
+::pgrx::pg_module_magic!();
+
+extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
+extension_sql_file!("sql/functions.sql", name = "functions", finalize);
+
+/// Whether the library was loaded through `shared_preload_libraries` (inherited by every backend).
+static PRELOADED: AtomicBool = AtomicBool::new(false);
+
+/// True when the relay machinery (shared memory, workers, commit wake-up) is set up.
+pub fn preloaded() -> bool {
+    PRELOADED.load(Ordering::Relaxed)
+}
+
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    // pg_upgrade loads libraries to check them; nothing may run then.
+    // SAFETY: reading a PostgreSQL global set before libraries are loaded.
+    if unsafe { pg_sys::IsBinaryUpgrade } {
+        return;
+    }
+    // SAFETY: as above.
+    let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    guc::init(preloading);
+    if !preloading {
+        // Loaded on demand by a backend: the SQL functions that need the relay say so.
+        return;
+    }
+    shmem::init();
+    wake::init();
+    worker::launcher::register();
+    PRELOADED.store(true, Ordering::Relaxed);
+}
+
+/// `#[pg_test]`s of the SQL API: they run inside a transaction that is rolled back.
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_schema]
+mod tests {
+    include!("tests/sql_api.rs");
+}
+
+/// Required by `cargo pgrx test`.
+#[cfg(test)]
+pub mod pg_test {
+    pub fn setup(_options: Vec<&str>) {}
+
+    /// The test instance preloads the extension so the worker machinery exists; its relay watches
+    /// the test database and points at a closed port, since `#[pg_test]`s roll back and never
+    /// reach Redis. Tests that cross a commit use their own clusters (see `tests/`).
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec![
+            "shared_preload_libraries = 'outbox_pg'",
+            "outbox.database = 'pgrx_tests'",
+            "outbox.redis_url = 'redis://127.0.0.1:1'",
+        ]
+    }
+}

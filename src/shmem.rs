@@ -1,0 +1,72 @@
+//! What backends and the relay worker share: where to find the relay's latch so that a committing
+//! backend can wake it, and the relay's status for monitoring.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic};
+
+/// The relay's shared state. Plain atomics: it is read on every commit that enqueued, so it must
+/// never take a lock.
+#[derive(Default)]
+pub struct RelayShared {
+    /// Address of the relay's `PGPROC` (which lives in shared memory), 0 while no relay runs.
+    relay_proc: AtomicUsize,
+    /// Process id of the relay, 0 while none runs.
+    relay_pid: AtomicI32,
+    /// Whether the relay's last contact with Redis succeeded.
+    redis_connected: AtomicBool,
+}
+
+// SAFETY: only atomics inside, valid in shared memory across processes.
+unsafe impl PGRXSharedMemory for RelayShared {}
+
+// SAFETY: the name is unique to this extension.
+static RELAY: PgAtomic<RelayShared> = unsafe { PgAtomic::new(c"outbox_pg_relay") };
+
+/// Requests the shared memory; must be called from `_PG_init` while preloading.
+pub fn init() {
+    pg_shmem_init!(RELAY);
+}
+
+/// Called by the relay once it runs: from now on commits wake it.
+pub fn register_relay() {
+    // SAFETY: MyProc is this process's PGPROC, set up before a worker's main function runs.
+    let proc = unsafe { pg_sys::MyProc } as usize;
+    // SAFETY: MyProcPid is set for every backend.
+    let pid = unsafe { pg_sys::MyProcPid };
+    RELAY.get().relay_pid.store(pid, Ordering::SeqCst);
+    RELAY.get().relay_proc.store(proc, Ordering::SeqCst);
+}
+
+/// Called by the relay when it stops.
+pub fn unregister_relay() {
+    RELAY.get().relay_proc.store(0, Ordering::SeqCst);
+    RELAY.get().relay_pid.store(0, Ordering::SeqCst);
+    RELAY.get().redis_connected.store(false, Ordering::SeqCst);
+}
+
+pub fn set_redis_connected(connected: bool) {
+    RELAY.get().redis_connected.store(connected, Ordering::Relaxed);
+}
+
+/// Process id of the running relay, if any.
+pub fn relay_pid() -> Option<i32> {
+    Some(RELAY.get().relay_pid.load(Ordering::SeqCst)).filter(|&pid| pid != 0)
+}
+
+pub fn redis_connected() -> bool {
+    RELAY.get().redis_connected.load(Ordering::Relaxed)
+}
+
+/// Sets the relay's latch. Safe to call from a commit callback: no lock, no allocation, no error.
+/// If the relay exited and another process now uses that PGPROC, that process sees a spurious
+/// latch wake-up, which every latch user must tolerate anyway.
+pub fn wake_relay() {
+    let proc = RELAY.get().relay_proc.load(Ordering::SeqCst) as *mut pg_sys::PGPROC;
+    if !proc.is_null() {
+        // SAFETY: PGPROCs live in shared memory for the life of the cluster; the pointer was
+        // published by the relay itself and stays a valid PGPROC even after the relay exits.
+        unsafe { pg_sys::SetLatch(&raw mut (*proc).procLatch) };
+    }
+}

@@ -1,0 +1,312 @@
+//! The only code that speaks to Redis: connecting (URL, password file, timeouts, TLS), publishing
+//! a batch as one pipeline of XADDs, and telling failures of Redis as a whole from rejections of
+//! one entry.
+
+use std::fs;
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
+
+use crate::entry::OutboxEvent;
+
+/// Everything needed to reach Redis, as configured by the `outbox.redis_*` settings.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    pub url: String,
+    pub password_file: Option<String>,
+    pub timeout: Duration,
+}
+
+/// Redis as a whole is unusable: unreachable, timing out, out of memory, loading, read-only,
+/// misconfigured. Never the events' fault, so it never counts against them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BrokerError(pub String);
+
+impl std::fmt::Display for BrokerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What happened to one entry of a published batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EntryOutcome {
+    /// Redis stored the entry.
+    Published,
+    /// Redis refused this entry because of the entry itself (e.g. WRONGTYPE: its stream key holds
+    /// another type). Other entries are unaffected.
+    Rejected(String),
+    /// Redis refused this entry for a reason that concerns the whole server (OOM, LOADING, ...).
+    BrokerRefused(String),
+}
+
+/// A lazily (re)connected Redis connection.
+pub struct RedisSink {
+    config: Option<RedisConfig>,
+    connection: Option<redis::Connection>,
+}
+
+/// Server error codes that describe the server's state, not the entry: retried without limit.
+const BROKER_WIDE_CODES: &[&str] = &[
+    "OOM",
+    "LOADING",
+    "READONLY",
+    "MASTERDOWN",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MISCONF",
+    "NOAUTH",
+    "WRONGPASS",
+    "NOPERM",
+    "NOREPLICAS",
+];
+
+impl Default for RedisSink {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RedisSink {
+    pub fn new() -> Self {
+        RedisSink { config: None, connection: None }
+    }
+
+    /// Applies (possibly new) settings; a changed configuration drops the current connection so
+    /// the next publish connects with the new one.
+    pub fn configure(&mut self, config: RedisConfig) {
+        if self.config.as_ref() != Some(&config) {
+            self.connection = None;
+            self.config = Some(config);
+        }
+    }
+
+    /// Where this sink publishes, for log lines: host and port only, never credentials.
+    pub fn describe(&self) -> String {
+        self.config.as_ref().map(|c| describe_target(&c.url)).unwrap_or_else(|| "(unconfigured)".into())
+    }
+
+    pub fn is_connected(&self) -> bool {
+        self.connection.is_some()
+    }
+
+    fn connection(&mut self) -> Result<&mut redis::Connection, BrokerError> {
+        if self.connection.is_none() {
+            let config = self.config.as_ref().ok_or_else(|| BrokerError("outbox.redis_url is not set".into()))?;
+            self.connection = Some(connect(config)?);
+        }
+        // The branch above either filled the slot or returned.
+        self.connection.as_mut().ok_or_else(|| BrokerError("no connection".into()))
+    }
+
+    /// XADDs every event to its stream in one pipeline and reports, per event and in the same
+    /// order, whether Redis stored it. `Err` means the batch's fate is unknown (connection lost or
+    /// timed out mid-pipeline): treat every entry as not published; some may be, which is the
+    /// at-least-once duplicate consumers deduplicate by `event_id`.
+    pub fn publish(
+        &mut self,
+        events: &[OutboxEvent],
+        stream_template: &str,
+        maxlen: Option<u64>,
+    ) -> Result<Vec<EntryOutcome>, BrokerError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for event in events {
+            let cmd = pipe.cmd("XADD").arg(event.stream_key(stream_template));
+            if let Some(maxlen) = maxlen {
+                cmd.arg("MAXLEN").arg("~").arg(maxlen);
+            }
+            cmd.arg("*");
+            for (field, value) in event.fields() {
+                cmd.arg(field).arg(value);
+            }
+        }
+        let connection = self.connection()?;
+        let replies: Result<Vec<redis::RedisResult<redis::Value>>, redis::RedisError> = pipe.query(connection);
+        match replies {
+            Ok(replies) if replies.len() == events.len() => Ok(replies.into_iter().map(classify_reply).collect()),
+            Ok(replies) => {
+                self.connection = None;
+                Err(BrokerError(format!("Redis answered {} replies to {} commands", replies.len(), events.len())))
+            }
+            Err(error) => {
+                self.connection = None;
+                Err(BrokerError(describe_error(&error)))
+            }
+        }
+    }
+}
+
+fn classify_reply(reply: redis::RedisResult<redis::Value>) -> EntryOutcome {
+    match reply {
+        Ok(_) => EntryOutcome::Published,
+        Err(error) if is_broker_wide(&error) => EntryOutcome::BrokerRefused(describe_error(&error)),
+        Err(error) => EntryOutcome::Rejected(describe_error(&error)),
+    }
+}
+
+/// Whether an error concerns Redis as a whole rather than one entry.
+pub fn is_broker_wide(error: &redis::RedisError) -> bool {
+    if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() || error.is_connection_refusal() {
+        return true;
+    }
+    match error.code() {
+        Some(code) => BROKER_WIDE_CODES.contains(&code),
+        // Errors without a server code are client-side: connection, protocol, parsing.
+        None => true,
+    }
+}
+
+fn describe_error(error: &redis::RedisError) -> String {
+    // RedisError's text never contains the URL, so it is safe to log and store.
+    error.to_string()
+}
+
+fn connect(config: &RedisConfig) -> Result<redis::Connection, BrokerError> {
+    let info = connection_info(config)?;
+    if matches!(info.addr(), ConnectionAddr::TcpTls { .. }) {
+        // rustls needs a process-wide crypto provider; installing it twice is harmless.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    let client = redis::Client::open(info).map_err(|e| BrokerError(describe_error(&e)))?;
+    let connection = client.get_connection_with_timeout(config.timeout).map_err(|e| BrokerError(describe_error(&e)))?;
+    connection
+        .set_read_timeout(Some(config.timeout))
+        .and_then(|_| connection.set_write_timeout(Some(config.timeout)))
+        .map_err(|e| BrokerError(describe_error(&e)))?;
+    Ok(connection)
+}
+
+/// Parses the URL and applies the password file. Error texts never contain the URL or password.
+pub fn connection_info(config: &RedisConfig) -> Result<ConnectionInfo, BrokerError> {
+    let url = config.url.trim();
+    if url.is_empty() {
+        return Err(BrokerError("outbox.redis_url is empty".into()));
+    }
+    if !(url.starts_with("redis://") || url.starts_with("rediss://") || url.starts_with("redis+unix://")) {
+        return Err(BrokerError("outbox.redis_url must start with redis://, rediss:// or redis+unix://".into()));
+    }
+    let info = url
+        .into_connection_info()
+        .map_err(|_| BrokerError(format!("outbox.redis_url is not a valid Redis URL: {}", redact_url(url))))?;
+    match &config.password_file {
+        None => Ok(info),
+        Some(path) => {
+            let password = read_password_file(path)?;
+            let settings = info.redis_settings().clone().set_password(password);
+            Ok(info.set_redis_settings(settings))
+        }
+    }
+}
+
+/// Reads the password from a file that only the server's OS user may read (like libpq's
+/// `.pgpass`, a group- or world-accessible file is refused). Trailing newlines are ignored.
+pub fn read_password_file(path: &str) -> Result<String, BrokerError> {
+    let metadata = fs::metadata(path)
+        .map_err(|e| BrokerError(format!("cannot read outbox.redis_password_file \"{path}\": {e}")))?;
+    if metadata.mode() & 0o077 != 0 {
+        return Err(BrokerError(format!(
+            "outbox.redis_password_file \"{path}\" has group or world access; it must be readable by its owner only (chmod 600)"
+        )));
+    }
+    let contents = fs::read_to_string(path)
+        .map_err(|e| BrokerError(format!("cannot read outbox.redis_password_file \"{path}\": {e}")))?;
+    let password = contents.trim_end_matches(['\r', '\n']);
+    if password.is_empty() {
+        return Err(BrokerError(format!("outbox.redis_password_file \"{path}\" is empty")));
+    }
+    Ok(password.to_string())
+}
+
+/// `host:port` (or the socket path) of a Redis URL, for log lines. Never includes credentials.
+pub fn describe_target(url: &str) -> String {
+    match url.trim().into_connection_info() {
+        Ok(info) => match info.addr() {
+            ConnectionAddr::Tcp(host, port) => format!("{host}:{port}"),
+            ConnectionAddr::TcpTls { host, port, .. } => format!("{host}:{port} (TLS)"),
+            ConnectionAddr::Unix(path) => path.display().to_string(),
+            _ => "(unknown address)".into(),
+        },
+        Err(_) => redact_url(url),
+    }
+}
+
+/// The URL with any password replaced by `****` (and a lone user-info, which some clients read as
+/// a password, masked too). Used wherever a URL is shown: `SHOW`, `pg_settings`, log lines.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return if url.contains('@') { "****".into() } else { url.to_string() };
+    };
+    let (scheme, rest) = url.split_at(scheme_end + 3);
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    match authority.rfind('@') {
+        None => url.to_string(),
+        Some(at) => {
+            let (userinfo, host) = authority.split_at(at);
+            let masked = match userinfo.find(':') {
+                Some(colon) => format!("{}:****", &userinfo[..colon]),
+                None => "****".to_string(),
+            };
+            format!("{scheme}{masked}{host}{path}")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redact_masks_passwords_only() {
+        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redact_url("redis://:s3cret@h:1/0"), "redis://:****@h:1/0");
+        assert_eq!(redact_url("rediss://app:s3cret@h:1"), "rediss://app:****@h:1");
+        assert_eq!(redact_url("redis://s3cret@h"), "redis://****@h");
+        assert_eq!(redact_url("redis://u:p@ss@h/0"), "redis://u:****@h/0");
+        assert!(!redact_url("garbage:s3cret@x").contains("s3cret"));
+    }
+
+    #[test]
+    fn describe_target_never_shows_credentials() {
+        assert_eq!(describe_target("redis://:pw@10.1.2.3:7000/0"), "10.1.2.3:7000");
+        assert_eq!(describe_target("redis://localhost"), "localhost:6379");
+        assert!(!describe_target("not a url :pw@").contains("pw"));
+    }
+
+    #[test]
+    fn bad_urls_are_reported_without_the_secret() {
+        let config = |url: &str| RedisConfig { url: url.into(), password_file: None, timeout: Duration::from_secs(1) };
+        for url in ["", "http://x", "redis://:s3cret@[bad"] {
+            let Err(err) = connection_info(&config(url)) else { panic!("accepted {url}") };
+            assert!(!err.0.contains("s3cret"), "{err}");
+        }
+        assert!(connection_info(&config("redis://:pw@127.0.0.1:1/2")).is_ok());
+    }
+
+    #[test]
+    fn password_file_must_be_private() {
+        let dir = std::env::temp_dir().join(format!("outbox_pg_pwtest_{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pw");
+        fs::write(&path, "hunter2\n").unwrap();
+        let path_str = path.to_str().unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(read_password_file(path_str).is_err());
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_password_file(path_str).unwrap(), "hunter2");
+        let config = RedisConfig {
+            url: "redis://:inurl@127.0.0.1:1".into(),
+            password_file: Some(path_str.into()),
+            timeout: Duration::from_secs(1),
+        };
+        assert_eq!(connection_info(&config).unwrap().redis_settings().password(), Some("hunter2"));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,69 @@
+-- outbox_pg schema: the outbox table and the indexes the relay worker relies on.
+-- Runs first in the install script (bootstrap), before any function is created.
+
+-- The schema name is part of the contract (the worker and the docs use it), so refuse to adopt an
+-- existing schema of the same name rather than mixing our objects with a user's.
+DO $guard$
+BEGIN
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = 'outbox') THEN
+        RAISE EXCEPTION 'outbox_pg: schema "outbox" already exists'
+            USING ERRCODE = 'duplicate_schema',
+                  DETAIL = 'outbox_pg creates and owns the schema "outbox" for its table and functions.',
+                  HINT = 'Rename or drop the existing schema "outbox", then run CREATE EXTENSION outbox_pg again.';
+    END IF;
+END
+$guard$;
+
+CREATE SCHEMA outbox;
+COMMENT ON SCHEMA outbox IS 'outbox_pg: the outbox table and the relay''s functions';
+
+CREATE TABLE outbox.messages (
+    -- Ascending, but not commit order: a lower id can commit after a higher one.
+    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    -- Stable identity of the event, sent in every stream entry so consumers can deduplicate.
+    event_id       uuid        NOT NULL UNIQUE,
+    aggregate_type text        NOT NULL CHECK (aggregate_type <> ''),
+    aggregate_id   text        NOT NULL CHECK (aggregate_id <> ''),
+    event_type     text        NOT NULL CHECK (event_type <> ''),
+    payload        jsonb       NOT NULL,
+    headers        jsonb       CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object'),
+    -- Explicit stream for this event; NULL means "use the outbox.stream template".
+    stream         text        CHECK (stream IS NULL OR octet_length(stream) BETWEEN 1 AND 512),
+    status         text        NOT NULL DEFAULT 'pending'
+                               CHECK (status IN ('pending', 'publishing', 'published', 'failed')),
+    created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    claimed_at     timestamptz,
+    -- Process id of the relay (or session) holding the claim, to return claims of one that exited.
+    claimed_by     integer,
+    published_at   timestamptz,
+    -- Publish attempts so far: incremented each time a relay claims the row.
+    attempts       integer     NOT NULL DEFAULT 0,
+    last_error     text
+);
+
+COMMENT ON TABLE outbox.messages IS
+    'outbox_pg: events written by outbox_enqueue() in the caller''s transaction; the relay worker publishes committed rows to Redis Streams';
+COMMENT ON COLUMN outbox.messages.id IS 'Ascending identity; the relay publishes oldest first. Not commit order across transactions.';
+COMMENT ON COLUMN outbox.messages.event_id IS 'Stable event identity (UUIDv7), sent as the entry field event_id; consumers deduplicate on it';
+COMMENT ON COLUMN outbox.messages.stream IS 'Explicit Redis stream key; NULL means the outbox.stream template decides';
+COMMENT ON COLUMN outbox.messages.status IS 'pending -> publishing (claimed) -> published; failed rows need an operator';
+COMMENT ON COLUMN outbox.messages.attempts IS 'How many times a relay claimed this row for publishing';
+COMMENT ON COLUMN outbox.messages.last_error IS 'Why the last publish attempt failed (Redis error text); NULL once published';
+
+-- The worker's queries touch only the rows these partial indexes hold, so their cost does not grow
+-- with the number of published rows kept for retention.
+CREATE INDEX messages_pending_idx ON outbox.messages (id) WHERE status = 'pending';
+CREATE INDEX messages_publishing_idx ON outbox.messages (claimed_at) WHERE status = 'publishing';
+
+-- Every row is updated at least twice and later deleted: vacuum it early and often so dead tuples
+-- and the partial indexes stay small under sustained load.
+ALTER TABLE outbox.messages SET (
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_insert_scale_factor = 0.01,
+    autovacuum_analyze_scale_factor = 0.02,
+    fillfactor = 90
+);
+
+-- pg_dump must keep undelivered events (and the id sequence, so restored ids keep ascending).
+SELECT pg_catalog.pg_extension_config_dump('outbox.messages', 'WHERE status <> ''published''');
+SELECT pg_catalog.pg_extension_config_dump('outbox.messages_id_seq', '');

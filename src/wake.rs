@@ -1,0 +1,46 @@
+//! Wake-on-commit: a transaction that enqueued sets the relay's latch right after it commits, so
+//! delivery does not wait for the poll interval. A rollback wakes nobody, and many enqueues in one
+//! transaction wake the relay once.
+
+use std::cell::Cell;
+
+use pgrx::pg_sys;
+
+use crate::shmem;
+
+thread_local! {
+    /// Whether the current transaction enqueued; cleared at every transaction end.
+    static ENQUEUED_IN_XACT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Registers the transaction callback for this process (inherited by every backend when done in
+/// the postmaster while preloading).
+pub fn init() {
+    // SAFETY: `on_xact_event` matches PostgreSQL's XactCallback signature and never raises.
+    unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
+}
+
+/// Marks the current transaction as one that must wake the relay when it commits.
+pub fn arm() {
+    ENQUEUED_IN_XACT.with(|armed| armed.set(true));
+}
+
+/// Runs at every transaction end in every backend: keep it to a flag check and `SetLatch`, since
+/// an error here (after commit) would take the whole cluster down.
+unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
+    match event {
+        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT
+            if ENQUEUED_IN_XACT.with(|armed| armed.replace(false)) =>
+        {
+            shmem::wake_relay()
+        }
+        // A prepared transaction commits later, possibly in another session that wakes nobody:
+        // the poll interval delivers those events.
+        pg_sys::XactEvent::XACT_EVENT_ABORT
+        | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
+        | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
+            ENQUEUED_IN_XACT.with(|armed| armed.set(false));
+        }
+        _ => {}
+    }
+}

@@ -1,0 +1,429 @@
+//! The relay against a real PostgreSQL (outbox_pg preloaded, worker running) and a real
+//! redis-server: what crosses a commit, a process boundary or Redis.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{status_counts, wait_for, Cluster, Env, Redis, DEADLINE};
+
+fn enqueue(client: &mut postgres::Client, aggregate_type: &str, aggregate_id: &str, payload: &str) -> String {
+    client
+        .query_one(
+            "SELECT outbox_enqueue($1, $2, 'test.event', $3::text::jsonb)::text",
+            &[&aggregate_type, &aggregate_id, &payload],
+        )
+        .unwrap()
+        .get(0)
+}
+
+fn wait_all_published(client: &mut postgres::Client, total: i64) {
+    wait_for(DEADLINE, &format!("{total} rows published"), || {
+        let counts = status_counts(client);
+        (counts.get("published").copied().unwrap_or(0) == total).then_some(())
+    });
+}
+
+#[test]
+fn committed_event_reaches_its_stream_with_every_field() {
+    let env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    let row = client
+        .query_one(
+            "SELECT outbox_enqueue('payment', 'p-42', 'payment.created', '{\"amount\": \"12.34\", \"n\": [1, 2]}',
+                                   '{\"trace_id\": \"abc\"}')::text",
+            &[],
+        )
+        .unwrap();
+    let event_id: String = row.get(0);
+    let entries = env.redis.wait_for_entries("outbox:payment", 1);
+    assert_eq!(entries.len(), 1);
+    let entry = &entries[0];
+    let (outbox_id, created_at): (i64, String) = {
+        let r = client
+            .query_one(
+                "SELECT id, to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') FROM outbox.messages",
+                &[],
+            )
+            .unwrap();
+        (r.get(0), r.get(1))
+    };
+    let expected: HashMap<String, String> = [
+        ("event_id", event_id.as_str()),
+        ("outbox_id", outbox_id.to_string().as_str()),
+        ("aggregate_type", "payment"),
+        ("aggregate_id", "p-42"),
+        ("event_type", "payment.created"),
+        ("payload", "{\"n\": [1, 2], \"amount\": \"12.34\"}"),
+        ("headers", "{\"trace_id\": \"abc\"}"),
+        ("created_at", created_at.as_str()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    assert_eq!(entry, &expected);
+    // The payload field is the JSON text of the stored jsonb.
+    let payload: serde_json::Value = serde_json::from_str(&entry["payload"]).unwrap();
+    assert_eq!(payload["amount"], "12.34");
+
+    wait_all_published(&mut client, 1);
+    let row = client
+        .query_one("SELECT published_at IS NOT NULL, attempts, last_error IS NULL FROM outbox.messages", &[])
+        .unwrap();
+    assert!(row.get::<_, bool>(0));
+    assert_eq!(row.get::<_, i32>(1), 1);
+    assert!(row.get::<_, bool>(2));
+}
+
+#[test]
+fn rolled_back_event_never_appears() {
+    let env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    let mut tx = client.transaction().unwrap();
+    tx.query_one("SELECT outbox_enqueue('order', 1, 'order.placed', '{\"rolled\": \"back\"}')", &[]).unwrap();
+    tx.rollback().unwrap();
+    // A marker committed after the rollback: once it is in Redis, anything earlier would be too.
+    let marker = enqueue(&mut client, "order", "2", "{\"marker\": true}");
+    let entries = env.redis.wait_for_entries("outbox:order", 1);
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["event_id"], marker);
+    wait_all_published(&mut client, 1);
+    assert_eq!(status_counts(&mut client).values().sum::<i64>(), 1);
+}
+
+#[test]
+fn commit_wakes_the_relay_without_polling() {
+    // A ten-minute poll interval: only the commit-time wake-up can deliver within the deadline.
+    let env = Env::start(&["outbox.poll_interval = '10min'"]);
+    let mut client = env.pg.connect();
+    env.pg.relay_pid(&mut client);
+    // Let the relay go idle first (it has looked at an empty table).
+    wait_for(DEADLINE, "the relay to be idle", || {
+        client
+            .query_opt(
+                "SELECT 1 FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay' AND query = 'outbox_pg: waiting for events'",
+                &[],
+            )
+            .unwrap()
+    });
+    for i in 0..3 {
+        enqueue(&mut client, "wake", &i.to_string(), "{}");
+        env.redis.wait_for_entries("outbox:wake", i + 1);
+    }
+}
+
+#[test]
+fn a_thousand_enqueues_in_one_transaction_give_a_thousand_entries() {
+    let env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    let mut tx = client.transaction().unwrap();
+    tx.batch_execute(
+        "SELECT outbox_enqueue('bulk', i, 'bulk.item', jsonb_build_object('i', i)) FROM generate_series(1, 1000) AS i",
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    let entries = env.redis.wait_for_entries("outbox:bulk", 1000);
+    assert_eq!(entries.len(), 1000);
+    // One transaction, one relay: the entries come out in id order.
+    let ids: Vec<i64> = entries.iter().map(|e| e["outbox_id"].parse().unwrap()).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    wait_all_published(&mut client, 1000);
+}
+
+#[test]
+fn eight_concurrent_sessions_each_event_exactly_once() {
+    let env = Env::start(&[]);
+    let sessions: Vec<_> = (0..8)
+        .map(|s| {
+            let mut client = env.pg.connect();
+            std::thread::spawn(move || {
+                let mut ids = Vec::with_capacity(1000);
+                for i in 0..1000 {
+                    ids.push(enqueue(&mut client, "conc", &format!("{s}-{i}"), "{}"));
+                }
+                ids
+            })
+        })
+        .collect();
+    let committed: Vec<String> = sessions.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    assert_eq!(committed.len(), 8000);
+    let mut client = env.pg.connect();
+    wait_all_published(&mut client, 8000);
+    let entries = env.redis.entries("outbox:conc");
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for entry in &entries {
+        *seen.entry(entry["event_id"].clone()).or_default() += 1;
+    }
+    for id in &committed {
+        assert_eq!(seen.get(id), Some(&1), "event {id} delivered {:?} times", seen.get(id));
+    }
+    assert_eq!(entries.len(), 8000);
+}
+
+#[test]
+fn redis_outage_delays_delivery_and_records_the_error() {
+    let mut env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    enqueue(&mut client, "outage", "before", "{}");
+    env.redis.wait_for_entries("outbox:outage", 1);
+    wait_all_published(&mut client, 1);
+
+    env.redis.kill();
+    for i in 0..50 {
+        enqueue(&mut client, "outage", &i.to_string(), "{}");
+    }
+    // While Redis is down the rows stay pending, with the failure recorded.
+    wait_for(DEADLINE, "failed attempts recorded on the pending rows", || {
+        client
+            .query_one(
+                "SELECT count(*) FROM outbox.messages WHERE status = 'pending' AND attempts >= 2 AND last_error IS NOT NULL",
+                &[],
+            )
+            .unwrap()
+            .get::<_, i64>(0)
+            .eq(&50)
+            .then_some(())
+    });
+    let error: String = client
+        .query_one("SELECT last_error FROM outbox.messages WHERE status = 'pending' LIMIT 1", &[])
+        .unwrap()
+        .get(0);
+    assert!(!error.is_empty());
+    assert!(!client.query_one("SELECT outbox.redis_connected()", &[]).unwrap().get::<_, bool>(0));
+
+    env.redis.restart();
+    let entries = env.redis.wait_for_entries("outbox:outage", 50);
+    assert_eq!(entries.len(), 50, "a fresh Redis holds exactly the 50 events enqueued during the outage");
+    wait_all_published(&mut client, 51);
+    let cleared: i64 = client
+        .query_one("SELECT count(*) FROM outbox.messages WHERE last_error IS NULL AND published_at IS NOT NULL", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(cleared, 51);
+    // The outage was logged once when it started and once when it ended, not once per retry.
+    let log = env.pg.log();
+    assert_eq!(log.matches("cannot publish to Redis").count(), 1, "{log}");
+    assert_eq!(log.matches("publishing to Redis at").count(), 1, "{log}");
+}
+
+#[test]
+fn reload_with_a_new_redis_url_and_password_file_is_honoured() {
+    let env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    enqueue(&mut client, "reload", "1", "{}");
+    env.redis.wait_for_entries("outbox:reload", 1);
+
+    // A second Redis that requires a password, given through a file only the server user reads.
+    let secured = Redis::start_with(&["--requirepass", "s3cret-Pw"]);
+    let password_file = env.pg.dir.join("redis.pw");
+    std::fs::write(&password_file, "s3cret-Pw\n").unwrap();
+    std::process::Command::new("chown").arg("postgres:postgres").arg(&password_file).status().unwrap();
+    std::process::Command::new("chmod").arg("600").arg(&password_file).status().unwrap();
+    env.pg.set(
+        &mut client,
+        &[("outbox.redis_url", &secured.url()), ("outbox.redis_password_file", password_file.to_str().unwrap())],
+    );
+    wait_for(DEADLINE, "the reload to reach this session", || {
+        let shown: String = client.query_one("SHOW outbox.redis_url", &[]).unwrap().get(0);
+        (shown == secured.url()).then_some(())
+    });
+    enqueue(&mut client, "reload", "2", "{}");
+    let entries = secured.wait_for_entries("outbox:reload", 1);
+    assert_eq!(entries[0]["aggregate_id"], "2");
+    assert_eq!(env.redis.xlen("outbox:reload"), 1, "the old Redis got nothing more");
+    assert!(!env.pg.log().contains("s3cret-Pw"), "the password reached the server log");
+}
+
+#[test]
+fn redis_url_is_masked_and_hidden_from_ordinary_roles() {
+    let env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    env.pg.set(&mut client, &[("outbox.redis_url", "redis://app:Hunter2@127.0.0.1:1/0")]);
+    let shown = wait_for(DEADLINE, "the reload", || {
+        let shown: String = client.query_one("SELECT current_setting('outbox.redis_url')", &[]).unwrap().get(0);
+        (shown != env.redis.url()).then_some(shown)
+    });
+    assert_eq!(shown, "redis://app:****@127.0.0.1:1/0");
+    let in_view: String =
+        client.query_one("SELECT setting FROM pg_settings WHERE name = 'outbox.redis_url'", &[]).unwrap().get(0);
+    assert_eq!(in_view, "redis://app:****@127.0.0.1:1/0");
+    client.batch_execute("CREATE ROLE app_user LOGIN").unwrap();
+    let mut app = postgres::Client::connect(
+        &format!("host=127.0.0.1 port={} user=app_user dbname=postgres", env.pg.port),
+        postgres::NoTls,
+    )
+    .unwrap();
+    let err = app.query_one("SHOW outbox.redis_url", &[]).unwrap_err();
+    assert_eq!(err.code(), Some(&postgres::error::SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    // The relay's own log lines name the host, never the password.
+    enqueue(&mut client, "masked", "1", "{}");
+    wait_for(DEADLINE, "the relay to report the unreachable Redis", || {
+        env.pg.log().contains("cannot publish to Redis at 127.0.0.1:1").then_some(())
+    });
+    let relay_lines: Vec<_> = env.pg.log().lines().filter(|l| l.contains("outbox_pg")).map(str::to_string).collect();
+    assert!(relay_lines.iter().all(|l| !l.contains("Hunter2")), "{relay_lines:?}");
+}
+
+#[test]
+fn relay_shows_in_pg_stat_activity_and_restarts_after_termination() {
+    let env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    let first = env.pg.relay_pid(&mut client);
+    let launcher: i64 = client
+        .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_pg launcher'", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(launcher, 1);
+    assert_eq!(client.query_one("SELECT outbox.relay_pid()", &[]).unwrap().get::<_, Option<i32>>(0), Some(first));
+    client.query_one("SELECT pg_terminate_backend($1)", &[&first]).unwrap();
+    let second = wait_for(DEADLINE, "a new relay", || {
+        let pid = client
+            .query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'", &[])
+            .unwrap()
+            .map(|r| r.get::<_, i32>(0))?;
+        (pid != first).then_some(pid)
+    });
+    assert_ne!(first, second);
+    enqueue(&mut client, "restart", "1", "{}");
+    env.redis.wait_for_entries("outbox:restart", 1);
+    // SIGTERM from a fast shutdown ends both workers; pg_ctl fails if the server does not stop.
+    env.pg.pg_ctl_stop("fast");
+}
+
+#[test]
+fn relay_waits_for_database_and_extension_then_survives_drops() {
+    let redis = Redis::start();
+    let pg = Cluster::start(redis.port, &["outbox.database = 'appdb'", "outbox.poll_interval = '200ms'"]);
+    let mut admin = pg.connect();
+    wait_for(DEADLINE, "the launcher to report the missing database", || {
+        pg.log().contains("database \"appdb\" (outbox.database) does not exist").then_some(())
+    });
+    admin.batch_execute("CREATE DATABASE appdb").unwrap();
+    pg.relay_pid(&mut admin);
+    wait_for(DEADLINE, "the relay to report the missing extension", || {
+        pg.log().contains("is not installed in database \"appdb\"").then_some(())
+    });
+    let mut app = pg.connect_to("appdb");
+    app.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    enqueue(&mut app, "db", "1", "{}");
+    redis.wait_for_entries("outbox:db", 1);
+
+    // DROP DATABASE of another database is not blocked by the idle workers.
+    admin.batch_execute("SET statement_timeout = '30s'").unwrap();
+    admin.batch_execute("CREATE DATABASE other").unwrap();
+    admin.batch_execute("DROP DATABASE other").unwrap();
+    // DROP EXTENSION with the relay running, then CREATE again: delivery resumes.
+    app.batch_execute("SET statement_timeout = '30s'; DROP EXTENSION outbox_pg; CREATE EXTENSION outbox_pg").unwrap();
+    enqueue(&mut app, "db", "2", "{}");
+    redis.wait_for_entries("outbox:db", 2);
+    drop(app);
+
+    // The watched database dropped with FORCE: the relay goes, the launcher waits for it to return.
+    admin.batch_execute("DROP DATABASE appdb WITH (FORCE)").unwrap();
+    admin.batch_execute("CREATE DATABASE appdb").unwrap();
+    let mut app = pg.connect_to("appdb");
+    app.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    enqueue(&mut app, "db", "3", "{}");
+    let entries = redis.wait_for_entries("outbox:db", 3);
+    assert_eq!(entries[2]["aggregate_id"], "3");
+    let log = pg.log();
+    assert!(!log.contains("FATAL:  database \"appdb\" does not exist"), "crash loop:\n{log}");
+}
+
+#[test]
+fn disabled_relay_keeps_events_pending_until_enabled() {
+    let env = Env::start(&["outbox.enabled = off"]);
+    let mut client = env.pg.connect();
+    for i in 0..10 {
+        enqueue(&mut client, "paused", &i.to_string(), "{}");
+    }
+    wait_for(DEADLINE, "the relay to report it is paused", || {
+        env.pg.log().contains("outbox.enabled is off").then_some(())
+    });
+    // Paused: a later event with its own poll must still find everything pending.
+    enqueue(&mut client, "paused", "10", "{}");
+    assert_eq!(status_counts(&mut client).get("pending"), Some(&11));
+    assert_eq!(env.redis.xlen("outbox:paused"), 0);
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    env.redis.wait_for_entries("outbox:paused", 11);
+    wait_all_published(&mut client, 11);
+}
+
+#[test]
+fn stream_template_explicit_streams_and_trimming() {
+    let env = Env::start(&["outbox.stream = 'app:{aggregate_type}:{event_type}'", "outbox.stream_maxlen = 10"]);
+    let mut client = env.pg.connect();
+    client.batch_execute("SELECT outbox_enqueue('cart', 1, 'cart.opened', '{}')").unwrap();
+    client.batch_execute("SELECT outbox_enqueue('cart', 1, 'cart.closed', '{}', NULL, 'explicit:stream')").unwrap();
+    env.redis.wait_for_entries("app:cart:cart.opened", 1);
+    env.redis.wait_for_entries("explicit:stream", 1);
+    client
+        .batch_execute("SELECT outbox_enqueue('trim', i, 'x', '{}', NULL, 'trimmed') FROM generate_series(1, 500) i")
+        .unwrap();
+    wait_all_published(&mut client, 502);
+    // MAXLEN ~ trims whole macro nodes: approximately 10, far below 500.
+    assert!(env.redis.xlen("trimmed") < 500);
+}
+
+#[test]
+fn an_entry_redis_rejects_does_not_hold_up_the_others() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut redis = env.redis.connection();
+    // The key of one stream holds a string: Redis answers WRONGTYPE to XADD on it.
+    redis::cmd("SET").arg("poisoned").arg("not a stream").query::<()>(&mut redis).unwrap();
+    let mut client = env.pg.connect();
+    let mut tx = client.transaction().unwrap();
+    tx.batch_execute(
+        "SELECT outbox_enqueue('ok', i, 'e', '{}') FROM generate_series(1, 5) i;
+         SELECT outbox_enqueue('bad', 1, 'e', '{}', NULL, 'poisoned');
+         SELECT outbox_enqueue('ok', i, 'e', '{}') FROM generate_series(6, 10) i;",
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    env.redis.wait_for_entries("outbox:ok", 10);
+    wait_for(DEADLINE, "the rejected row to record WRONGTYPE", || {
+        let row = client
+            .query_one("SELECT status, coalesce(last_error, '') FROM outbox.messages WHERE stream = 'poisoned'", &[])
+            .unwrap();
+        let (status, error): (String, String) = (row.get(0), row.get(1));
+        (status == "pending" && error.contains("WRONGTYPE")).then_some(())
+    });
+    // Later events still flow past it.
+    enqueue(&mut client, "ok", "11", "{}");
+    env.redis.wait_for_entries("outbox:ok", 11);
+}
+
+#[test]
+fn enqueue_without_preload_is_refused_with_a_hint() {
+    let redis = Redis::start();
+    let pg = Cluster::start_with(&[format!("outbox.redis_url = 'redis://127.0.0.1:{}'", redis.port)]);
+    let mut client = pg.connect();
+    client.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    let err = client.query_one("SELECT outbox_enqueue('a', 'b', 'c', '{}')", &[]).unwrap_err();
+    let db = err.as_db_error().expect("a server error");
+    assert_eq!(db.code(), &postgres::error::SqlState::OBJECT_NOT_IN_PREREQUISITE_STATE);
+    assert!(db.message().contains("shared_preload_libraries"), "{}", db.message());
+    assert!(db.hint().unwrap_or("").contains("shared_preload_libraries"));
+    let rows: i64 = client.query_one("SELECT count(*) FROM outbox.messages", &[]).unwrap().get(0);
+    assert_eq!(rows, 0);
+}
+
+#[test]
+fn claims_of_an_exited_process_are_returned_and_delivered() {
+    // Paused, so that the claim below is certainly ours and not the relay's.
+    let env = Env::start(&["outbox.enabled = off", "outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    client.batch_execute("SELECT outbox_enqueue('orphan', i, 'e', '{}') FROM generate_series(1, 3) i").unwrap();
+    // A claimer that exits between claim and settle, as a crashed relay would.
+    let mut claimer = env.pg.connect();
+    let claimed: i64 = claimer.query_one("SELECT count(*) FROM outbox._claim_batch(3)", &[]).unwrap().get(0);
+    assert_eq!(claimed, 3);
+    drop(claimer);
+    assert_eq!(status_counts(&mut client).get("publishing"), Some(&3));
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    let entries = env.redis.wait_for_entries("outbox:orphan", 3);
+    assert_eq!(entries.len(), 3);
+    wait_all_published(&mut client, 3);
+    let attempts: i64 = client.query_one("SELECT sum(attempts) FROM outbox.messages", &[]).unwrap().get(0);
+    assert_eq!(attempts, 6, "one claim by the exited process and one by the relay each");
+}
