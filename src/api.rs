@@ -50,4 +50,28 @@ mod outbox {
     fn redis_connected() -> bool {
         crate::preloaded() && shmem::redis_connected()
     }
+
+    /// The relay's state as `outbox.stats` shows it: pid, Redis health, latest error.
+    #[allow(clippy::type_complexity)] // the column list of a set-returning SQL function
+    #[pg_extern(volatile, parallel_safe)]
+    fn relay_status() -> TableIterator<
+        'static,
+        (
+            name!(worker_pid, Option<i32>),
+            name!(redis_connected, bool),
+            name!(last_error, Option<String>),
+            name!(last_error_at, Option<TimestampWithTimeZone>),
+        ),
+    > {
+        let (pid, connected, error) = if crate::preloaded() {
+            (shmem::relay_pid(), shmem::redis_connected(), shmem::last_error())
+        } else {
+            (None, false, None)
+        };
+        let (message, at) = match error {
+            Some((message, at)) => (Some(message), TimestampWithTimeZone::try_from(at).ok()),
+            None => (None, None),
+        };
+        TableIterator::once((pid, connected, message, at))
+    }
 }

@@ -8,6 +8,8 @@ pub struct OutboxEvent {
     pub event_id: String,
     pub aggregate_type: String,
     pub aggregate_id: String,
+    /// Position of the event within its aggregate: 1, 2, 3, ...
+    pub aggregate_seq: i64,
     pub event_type: String,
     /// The payload's JSON text.
     pub payload: String,
@@ -62,6 +64,7 @@ impl OutboxEvent {
             ("outbox_id", self.id.to_string()),
             ("aggregate_type", self.aggregate_type.clone()),
             ("aggregate_id", self.aggregate_id.clone()),
+            ("aggregate_seq", self.aggregate_seq.to_string()),
             ("event_type", self.event_type.clone()),
             ("payload", self.payload.clone()),
         ];
@@ -83,6 +86,7 @@ mod tests {
             event_id: "0190a5b2-0000-7000-8000-000000000000".into(),
             aggregate_type: "payment".into(),
             aggregate_id: "42".into(),
+            aggregate_seq: 3,
             event_type: "payment.created".into(),
             payload: r#"{"amount": 100}"#.into(),
             headers: None,
@@ -121,11 +125,21 @@ mod tests {
         let names: Vec<_> = e.fields().iter().map(|(k, _)| *k).collect();
         assert_eq!(
             names,
-            ["event_id", "outbox_id", "aggregate_type", "aggregate_id", "event_type", "payload", "created_at"]
+            [
+                "event_id",
+                "outbox_id",
+                "aggregate_type",
+                "aggregate_id",
+                "aggregate_seq",
+                "event_type",
+                "payload",
+                "created_at"
+            ]
         );
         e.headers = Some(r#"{"trace":"t"}"#.into());
         let fields = e.fields();
         assert!(fields.contains(&("headers", r#"{"trace":"t"}"#.to_string())));
         assert!(fields.contains(&("outbox_id", "7".to_string())));
+        assert!(fields.contains(&("aggregate_seq", "3".to_string())));
     }
 }

@@ -7,7 +7,7 @@ use std::os::raw::c_char;
 use std::time::Duration;
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
-use pgrx::pg_sys;
+use pgrx::{pg_sys, PostgresGucEnum};
 
 use crate::sink::redis::redact_url;
 
@@ -46,6 +46,49 @@ static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 /// `outbox.lease` (default 30s, reload): how long a claimed row may stay `publishing` before it
 /// is returned to `pending` (its relay died, hung or lost its connection).
 static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+
+/// How events of one aggregate are ordered on their way to Redis.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Ordering {
+    /// An event waits until every earlier event of its aggregate is delivered (or skipped).
+    #[name = c"aggregate"]
+    Aggregate,
+    /// Nothing waits: oldest first, but a retried event may arrive after later ones.
+    #[name = c"none"]
+    None,
+}
+
+/// `outbox.ordering` (default `aggregate`, reload).
+static ORDERING: GucSetting<Ordering> = GucSetting::<Ordering>::new(Ordering::Aggregate);
+
+/// `outbox.max_attempts` (default 10, reload): rejections by Redis *caused by the event itself*
+/// after which the event is dead-lettered (`failed`). Redis-wide failures never count.
+static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
+
+/// `outbox.retry_delay` (default 1s, reload): first per-event backoff after a rejection; doubles
+/// per rejection, at most 5 minutes.
+static RETRY_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+
+/// `outbox.retention` (default 7 days, reload): published events older than this are deleted by
+/// the relay in small batches; 0 keeps them forever. Failed events are never deleted.
+static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
+
+/// `outbox.alert_age` (default 5min, reload): while the oldest pending event is older, the relay
+/// logs a WARNING (on crossing, then at most once a minute); 0 disables.
+static ALERT_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
+
+/// Failures the relay can be told to inject, for tests and the demo.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum FaultInjection {
+    #[name = c"none"]
+    None,
+    /// Exit right after a successful XADD, before the rows are marked published (once per arming).
+    #[name = c"crash_after_publish"]
+    CrashAfterPublish,
+}
+
+/// `outbox.fault_injection` (default `none`, reload, superuser only).
+static FAULT_INJECTION: GucSetting<FaultInjection> = GucSetting::<FaultInjection>::new(FaultInjection::None);
 
 /// `outbox.enabled` (default on, reload): off makes the relay idle; enqueue keeps working.
 static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
@@ -154,6 +197,62 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_enum_guc(
+        c"outbox.ordering",
+        c"Per-aggregate ordering of deliveries: aggregate (wait for earlier events) or none.",
+        c"With aggregate, a failed event holds back the later events of its aggregate until it is retried or skipped.",
+        &ORDERING,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_attempts",
+        c"Rejections by Redis caused by the event itself before it is dead-lettered.",
+        c"Failures of Redis as a whole (unreachable, OOM, LOADING, ...) never count.",
+        &MAX_ATTEMPTS,
+        1,
+        1_000_000,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retry_delay",
+        c"First per-event backoff after Redis rejected an event; doubles per rejection, at most 5 minutes.",
+        c"",
+        &RETRY_DELAY_MS,
+        1,
+        300_000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retention",
+        c"How long published events are kept before the relay deletes them; 0 keeps them forever.",
+        c"Failed events are never deleted by retention.",
+        &RETENTION_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.alert_age",
+        c"Age of the oldest pending event above which the relay logs a WARNING; 0 disables.",
+        c"Checked every second, also while outbox.enabled is off.",
+        &ALERT_AGE_S,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_enum_guc(
+        c"outbox.fault_injection",
+        c"Failure the relay injects, for tests and demos: none or crash_after_publish.",
+        c"crash_after_publish makes the relay exit once, right after Redis accepted a batch and before the rows are marked published.",
+        &FAULT_INJECTION,
+        GucContext::Sighup,
+        GucFlags::SUPERUSER_ONLY,
+    );
     GucRegistry::define_bool_guc(
         c"outbox.enabled",
         c"Whether the relay publishes; off pauses it while enqueue keeps working.",
@@ -210,6 +309,32 @@ pub fn max_payload_size() -> i32 {
 
 pub fn lease_ms() -> i32 {
     LEASE_MS.get()
+}
+
+pub fn ordering() -> Ordering {
+    ORDERING.get()
+}
+
+pub fn max_attempts() -> i32 {
+    MAX_ATTEMPTS.get()
+}
+
+pub fn retry_delay_ms() -> i32 {
+    RETRY_DELAY_MS.get()
+}
+
+/// Seconds, `None` when events are kept forever.
+pub fn retention_s() -> Option<i32> {
+    Some(RETENTION_S.get()).filter(|&s| s > 0)
+}
+
+/// `None` when alerting is off.
+pub fn alert_age() -> Option<Duration> {
+    Some(ALERT_AGE_S.get()).filter(|&s| s > 0).map(|s| Duration::from_secs(s as u64))
+}
+
+pub fn fault_injection() -> FaultInjection {
+    FAULT_INJECTION.get()
 }
 
 pub fn enabled() -> bool {

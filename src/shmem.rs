@@ -1,10 +1,10 @@
 //! What backends and the relay worker share: where to find the relay's latch so that a committing
 //! backend can wake it, and the relay's status for monitoring.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicUsize, Ordering};
 
 use pgrx::prelude::*;
-use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic};
+use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 
 /// The relay's shared state. Plain atomics: it is read on every commit that enqueued, so it must
 /// never take a lock.
@@ -16,7 +16,31 @@ pub struct RelayShared {
     relay_pid: AtomicI32,
     /// Whether the relay's last contact with Redis succeeded.
     redis_connected: AtomicBool,
+    /// When `LAST_ERROR` was set (PostgreSQL timestamp, microseconds since 2000), 0 if never.
+    last_error_at: AtomicI64,
+    /// Set once `outbox.fault_injection` fired, so that it fires once per arming.
+    fault_fired: AtomicBool,
 }
+
+/// The relay's most recent error message, truncated to fit; shown in `outbox.stats`.
+pub struct ErrorText {
+    len: usize,
+    bytes: [u8; ERROR_TEXT_CAPACITY],
+}
+
+const ERROR_TEXT_CAPACITY: usize = 512;
+
+impl Default for ErrorText {
+    fn default() -> Self {
+        ErrorText { len: 0, bytes: [0; ERROR_TEXT_CAPACITY] }
+    }
+}
+
+// SAFETY: plain bytes, valid in shared memory.
+unsafe impl PGRXSharedMemory for ErrorText {}
+
+// SAFETY: the name is unique to this extension.
+static LAST_ERROR: PgLwLock<ErrorText> = unsafe { PgLwLock::new(c"outbox_pg_last_error") };
 
 // SAFETY: only atomics inside, valid in shared memory across processes.
 unsafe impl PGRXSharedMemory for RelayShared {}
@@ -27,6 +51,40 @@ static RELAY: PgAtomic<RelayShared> = unsafe { PgAtomic::new(c"outbox_pg_relay")
 /// Requests the shared memory; must be called from `_PG_init` while preloading.
 pub fn init() {
     pg_shmem_init!(RELAY);
+    pg_shmem_init!(LAST_ERROR);
+}
+
+/// Records the relay's latest error for `outbox.stats`.
+pub fn set_last_error(message: &str) {
+    let mut text = LAST_ERROR.exclusive();
+    // Truncate on a character boundary so the text stays valid UTF-8.
+    let mut len = message.len().min(ERROR_TEXT_CAPACITY);
+    while !message.is_char_boundary(len) {
+        len -= 1;
+    }
+    text.bytes[..len].copy_from_slice(&message.as_bytes()[..len]);
+    text.len = len;
+    // SAFETY: reads the clock; no preconditions.
+    RELAY.get().last_error_at.store(unsafe { pg_sys::GetCurrentTimestamp() }, Ordering::SeqCst);
+}
+
+/// The relay's latest error and when it happened, if any.
+pub fn last_error() -> Option<(String, i64)> {
+    let at = RELAY.get().last_error_at.load(Ordering::SeqCst);
+    if at == 0 {
+        return None;
+    }
+    let text = LAST_ERROR.share();
+    Some((String::from_utf8_lossy(&text.bytes[..text.len]).into_owned(), at))
+}
+
+/// Whether the armed fault already fired; `arm` false re-arms it.
+pub fn fault_fired() -> bool {
+    RELAY.get().fault_fired.load(Ordering::SeqCst)
+}
+
+pub fn set_fault_fired(fired: bool) {
+    RELAY.get().fault_fired.store(fired, Ordering::SeqCst);
 }
 
 /// Called by the relay once it runs: from now on commits wake it.

@@ -53,6 +53,7 @@ fn committed_event_reaches_its_stream_with_every_field() {
         ("outbox_id", outbox_id.to_string().as_str()),
         ("aggregate_type", "payment"),
         ("aggregate_id", "p-42"),
+        ("aggregate_seq", "1"),
         ("event_type", "payment.created"),
         ("payload", "{\"n\": [1, 2], \"amount\": \"12.34\"}"),
         ("headers", "{\"trace_id\": \"abc\"}"),

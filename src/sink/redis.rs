@@ -126,6 +126,7 @@ impl RedisSink {
                 cmd.arg(field).arg(value);
             }
         }
+        let _quiet = SignalsDeferred::new();
         let connection = self.connection()?;
         let replies: Result<Vec<redis::RedisResult<redis::Value>>, redis::RedisError> = pipe.query(connection);
         match replies {
@@ -139,6 +140,47 @@ impl RedisSink {
                 Err(BrokerError(describe_error(&error)))
             }
         }
+    }
+}
+
+/// Defers PostgreSQL's signals (latch wake-ups, SIGHUP, SIGTERM, procsignals) while a Redis round
+/// trip is in flight. With a socket timeout set (SO_RCVTIMEO), Linux does not restart a read that a
+/// signal interrupts: it fails with EINTR, and a pipeline would be abandoned half-read and published
+/// again. Deferred signals are delivered when the guard drops, at most `outbox.redis_timeout` later.
+/// SIGQUIT (immediate shutdown) is left alone.
+struct SignalsDeferred {
+    previous: libc::sigset_t,
+}
+
+impl SignalsDeferred {
+    fn new() -> Self {
+        // SAFETY: plain libc signal-set manipulation on this (single) thread's mask.
+        unsafe {
+            let mut block: libc::sigset_t = std::mem::zeroed();
+            let mut previous: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut block);
+            for signal in [
+                libc::SIGHUP,
+                libc::SIGINT,
+                libc::SIGTERM,
+                libc::SIGUSR1,
+                libc::SIGUSR2,
+                libc::SIGURG,
+                libc::SIGALRM,
+                libc::SIGCHLD,
+            ] {
+                libc::sigaddset(&mut block, signal);
+            }
+            libc::pthread_sigmask(libc::SIG_BLOCK, &block, &mut previous);
+            SignalsDeferred { previous }
+        }
+    }
+}
+
+impl Drop for SignalsDeferred {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask saved in `new`.
+        unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &self.previous, std::ptr::null_mut()) };
     }
 }
 

@@ -12,10 +12,15 @@ CREATE FUNCTION @extschema@.outbox_enqueue(
     stream         text  DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+-- Writers (role outbox_writer) need no privilege on the table, so they cannot read other writers'
+-- payloads; every name below is schema-qualified and the search_path is pinned.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     payload_limit integer;
     payload_bytes integer;
+    next_seq      bigint;
     new_event_id  uuid;
 BEGIN
     IF outbox_enqueue.aggregate_type IS NULL THEN
@@ -81,8 +86,16 @@ BEGIN
                   HINT = 'Put large documents elsewhere and send a reference in the event, or have a superuser raise outbox.max_payload_size.';
     END IF;
 
-    INSERT INTO outbox.messages (event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream)
-    VALUES (outbox.uuid_generate_v7(), outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id,
+    -- The aggregate's row lock, held until commit, makes concurrent enqueues of the same aggregate
+    -- take turns (others are unaffected), so numbers are gap-free and follow commit order. Taking
+    -- it before the insert also makes id order follow aggregate_seq order within an aggregate.
+    INSERT INTO outbox.aggregates AS a (aggregate_type, aggregate_id, last_seq)
+    VALUES (outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id, 1)
+    ON CONFLICT ON CONSTRAINT aggregates_pkey DO UPDATE SET last_seq = a.last_seq + 1
+    RETURNING a.last_seq INTO next_seq;
+
+    INSERT INTO outbox.messages (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, stream)
+    VALUES (outbox.uuid_generate_v7(), outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id, next_seq,
             outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers, outbox_enqueue.stream)
     RETURNING messages.event_id INTO new_event_id;
     RETURN new_event_id;
@@ -129,12 +142,18 @@ COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, t
 -- Claims up to batch_size pending rows, oldest first, and marks them publishing. SKIP LOCKED lets
 -- several relays (or sessions) claim at once and get disjoint batches. The caller commits before
 -- talking to Redis, so no row lock is held across network I/O.
-CREATE FUNCTION outbox._claim_batch(batch_size integer)
+--
+-- With in_order (outbox.ordering = 'aggregate'), a row is claimable only when every earlier event
+-- of its aggregate is delivered or claimed in this same batch: an earlier event that is publishing
+-- elsewhere, backing off, failed, or skipped by SKIP LOCKED holds the later ones back, and nothing
+-- else. Rows held back are filtered before the LIMIT, so they never crowd out other aggregates.
+CREATE FUNCTION outbox._claim_batch(batch_size integer, in_order boolean DEFAULT true)
 RETURNS TABLE (
     id             bigint,
     event_id       text,
     aggregate_type text,
     aggregate_id   text,
+    aggregate_seq  bigint,
     event_type     text,
     payload        text,
     headers        text,
@@ -142,29 +161,51 @@ RETURNS TABLE (
     created_at     text
 )
 LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
 AS $fn$
     WITH candidates AS (
-        SELECT m.id
+        SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
           FROM outbox.messages m
          WHERE m.status = 'pending'
+           AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
+           AND (NOT in_order OR NOT EXISTS (
+                   SELECT 1
+                     FROM outbox.messages e
+                    WHERE e.aggregate_type = m.aggregate_type
+                      AND e.aggregate_id = m.aggregate_id
+                      AND e.aggregate_seq < m.aggregate_seq
+                      AND e.status IN ('pending', 'publishing', 'failed')
+                      AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))))
          ORDER BY m.id
          LIMIT batch_size
            FOR UPDATE SKIP LOCKED
+    ),
+    claimable AS (
+        SELECT c.id
+          FROM candidates c
+         WHERE NOT in_order OR NOT EXISTS (
+                   SELECT 1
+                     FROM outbox.messages e
+                    WHERE e.aggregate_type = c.aggregate_type
+                      AND e.aggregate_id = c.aggregate_id
+                      AND e.aggregate_seq < c.aggregate_seq
+                      AND e.status IN ('pending', 'publishing', 'failed')
+                      AND e.id NOT IN (SELECT x.id FROM candidates x))
     )
     UPDATE outbox.messages m
        SET status = 'publishing',
            claimed_at = clock_timestamp(),
-           claimed_by = pg_catalog.pg_backend_pid(),
+           claimed_by = pg_backend_pid(),
            attempts = m.attempts + 1
-      FROM candidates c
+      FROM claimable c
      WHERE m.id = c.id
-    RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.event_type,
+    RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
               m.payload::text, m.headers::text, m.stream,
               to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
 $fn$;
 
-COMMENT ON FUNCTION outbox._claim_batch(integer) IS
-    'Relay internal: claims up to batch_size pending events (oldest first, FOR UPDATE SKIP LOCKED) and returns them ready to publish';
+COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
+    'Relay internal: claims up to batch_size pending events (oldest first, FOR UPDATE SKIP LOCKED, per-aggregate order when in_order) and returns them ready to publish';
 
 -- Settles rows that Redis accepted.
 CREATE FUNCTION outbox._mark_published(ids bigint[])
@@ -182,6 +223,51 @@ $fn$;
 
 COMMENT ON FUNCTION outbox._mark_published(bigint[]) IS
     'Relay internal: marks claimed events published after Redis accepted them';
+
+-- Rows Redis rejected because of the row itself (e.g. WRONGTYPE): count the rejection, back the row
+-- off (doubling from retry_delay_ms, at most 5 minutes), and dead-letter it at max_attempts.
+-- Returns how many rows became failed.
+CREATE FUNCTION outbox._reject(ids bigint[], error text, max_attempts integer, retry_delay_ms integer)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH rejected AS (
+        UPDATE outbox.messages m
+           SET rejections = m.rejections + 1,
+               last_error = error,
+               status = CASE WHEN m.rejections + 1 >= max_attempts THEN 'failed' ELSE 'pending' END,
+               failed_at = CASE WHEN m.rejections + 1 >= max_attempts THEN clock_timestamp() END,
+               available_at = clock_timestamp()
+                              + least(retry_delay_ms * power(2, least(m.rejections, 20)), 300000) * interval '1 millisecond',
+               claimed_at = NULL,
+               claimed_by = NULL
+         WHERE m.id = ANY (ids) AND m.status = 'publishing'
+        RETURNING m.status
+    )
+    SELECT count(*) FILTER (WHERE status = 'failed') FROM rejected
+$fn$;
+
+COMMENT ON FUNCTION outbox._reject(bigint[], text, integer, integer) IS
+    'Relay internal: records a rejection by Redis of these events, backs them off, dead-letters those at max_attempts';
+
+-- Returns claimed rows the relay decided not to send this round, as if never claimed.
+CREATE FUNCTION outbox._unclaim(ids bigint[])
+RETURNS bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH unclaimed AS (
+        UPDATE outbox.messages m
+           SET status = 'pending', claimed_at = NULL, claimed_by = NULL, attempts = m.attempts - 1
+         WHERE m.id = ANY (ids) AND m.status = 'publishing'
+        RETURNING 1
+    )
+    SELECT count(*) FROM unclaimed
+$fn$;
+
+COMMENT ON FUNCTION outbox._unclaim(bigint[]) IS
+    'Relay internal: returns claimed events it did not send this round to pending, untouched';
 
 -- Returns claimed rows to pending, recording why the publish failed.
 CREATE FUNCTION outbox._release(ids bigint[], error text)
@@ -227,6 +313,162 @@ COMMENT ON FUNCTION outbox._reap_expired(integer) IS
     'Relay internal: returns to pending the claims whose lease expired or whose claiming process exited';
 
 REVOKE ALL ON FUNCTION outbox._reap_expired(integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._claim_batch(integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._reject(bigint[], text, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._unclaim(bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._claim_batch(integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._mark_published(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._release(bigint[], text) FROM PUBLIC;
+
+-- ---------------------------------------------------------------------------------------------
+-- Operations: dead letters, retention, health.
+-- ---------------------------------------------------------------------------------------------
+
+-- Puts failed (dead-lettered) events back to pending with their counters reset: all of them, or
+-- those ids. Returns how many.
+CREATE FUNCTION outbox.retry_failed(ids bigint[] DEFAULT NULL)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH retried AS (
+        UPDATE outbox.messages m
+           SET status = 'pending', attempts = 0, rejections = 0, available_at = NULL, failed_at = NULL
+         WHERE m.status = 'failed' AND (ids IS NULL OR m.id = ANY (ids))
+        RETURNING 1
+    )
+    SELECT count(*) FROM retried
+$fn$;
+
+COMMENT ON FUNCTION outbox.retry_failed(bigint[]) IS
+    'Returns failed events (all, or those ids) to pending with attempts reset; returns how many';
+
+-- Gives up on failed events for good, so that later events of their aggregates flow again. The
+-- row is kept (status skipped, published_at = when skipped) until retention removes it.
+CREATE FUNCTION outbox.skip_failed(ids bigint[])
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    skipped bigint;
+BEGIN
+    IF ids IS NULL OR cardinality(ids) = 0 THEN
+        RAISE EXCEPTION 'outbox.skip_failed: ids must name the failed events to skip, got %', coalesce(ids::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Skipping drops events for good; list them, e.g. outbox.skip_failed(ARRAY(SELECT id FROM outbox.messages WHERE status = ''failed'' AND ...)).';
+    END IF;
+    UPDATE outbox.messages m
+       SET status = 'skipped', published_at = clock_timestamp()
+     WHERE m.status = 'failed' AND m.id = ANY (ids);
+    GET DIAGNOSTICS skipped = ROW_COUNT;
+    RETURN skipped;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.skip_failed(bigint[]) IS
+    'Marks these failed events skipped (never delivered), releasing the later events of their aggregates; returns how many';
+
+-- Deletes published (and skipped) events whose published_at is older than older_than; '0' deletes
+-- them all. Failed and undelivered events are never deleted. Returns how many rows it deleted.
+CREATE FUNCTION outbox.purge(older_than interval)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    purged bigint;
+BEGIN
+    IF older_than IS NULL OR older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox.purge: older_than must be a non-negative interval, got %', coalesce(older_than::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass e.g. ''7 days''; ''0'' purges every published event.';
+    END IF;
+    DELETE FROM outbox.messages m
+     WHERE m.status IN ('published', 'skipped') AND m.published_at <= clock_timestamp() - older_than;
+    GET DIAGNOSTICS purged = ROW_COUNT;
+    RETURN purged;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.purge(interval) IS
+    'Deletes published and skipped events older than older_than (by published_at); returns how many';
+
+-- The relay's retention step: one small batch of the oldest expired published rows.
+CREATE FUNCTION outbox._purge_batch(retention_s integer, batch_size integer)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH expired AS (
+        SELECT m.id
+          FROM outbox.messages m
+         WHERE m.status IN ('published', 'skipped')
+           AND m.published_at < clock_timestamp() - retention_s * interval '1 second'
+         ORDER BY m.published_at
+         LIMIT batch_size
+    ), purged AS (
+        DELETE FROM outbox.messages m USING expired e WHERE m.id = e.id RETURNING 1
+    )
+    SELECT count(*) FROM purged
+$fn$;
+
+COMMENT ON FUNCTION outbox._purge_batch(integer, integer) IS
+    'Relay internal: deletes one batch of published events older than outbox.retention';
+
+-- Age of the oldest event not yet delivered (pending, or claimed and in flight); NULL when none.
+-- Index-backed: the lowest pending id, and the few rows being published.
+-- SECURITY DEFINER: monitoring roles (pg_monitor) see the age without reading any event.
+CREATE FUNCTION outbox.oldest_pending_age()
+RETURNS interval
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT clock_timestamp() - least(
+        (SELECT m.created_at FROM outbox.messages m WHERE m.status = 'pending' ORDER BY m.id LIMIT 1),
+        (SELECT min(m.created_at) FROM outbox.messages m WHERE m.status = 'publishing'))
+$fn$;
+
+COMMENT ON FUNCTION outbox.oldest_pending_age() IS
+    'Age of the oldest undelivered event (pending or in flight), NULL when none: the outbox health signal';
+
+CREATE VIEW outbox.stats AS
+SELECT
+    (SELECT count(*) FROM outbox.messages m WHERE m.status = 'pending')    AS pending,
+    (SELECT count(*) FROM outbox.messages m WHERE m.status = 'publishing') AS publishing,
+    (SELECT count(*) FROM outbox.messages m WHERE m.status = 'failed')     AS failed,
+    greatest(pg_stat_get_live_tuples('outbox.messages'::regclass)
+             - (SELECT count(*) FROM outbox.messages m WHERE m.status IN ('pending', 'publishing', 'failed')), 0)
+                                                                            AS published,
+    outbox.oldest_pending_age()                                             AS oldest_pending_age,
+    (SELECT max(m.published_at) FROM outbox.messages m WHERE m.status IN ('published', 'skipped'))
+                                                                            AS last_published_at,
+    r.worker_pid,
+    r.redis_connected,
+    r.last_error,
+    r.last_error_at
+FROM outbox.relay_status() AS r;
+
+COMMENT ON VIEW outbox.stats IS
+    'One row of outbox health, cheap enough to poll every few seconds: exact pending/publishing/failed counts (index-backed), published is an estimate from table statistics, oldest_pending_age is the alert signal';
+COMMENT ON COLUMN outbox.stats.published IS 'Estimate: live rows per table statistics minus undelivered ones (includes skipped)';
+COMMENT ON COLUMN outbox.stats.oldest_pending_age IS 'Age of the oldest undelivered event; NULL when nothing is pending';
+COMMENT ON COLUMN outbox.stats.last_error IS 'The relay''s most recent error (Redis or database), kept after recovery; see last_error_at';
+
+-- Privileges: enqueue is for outbox_writer (and the owner); operations are for outbox_admin.
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) TO outbox_writer;
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) TO outbox_writer;
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) TO outbox_writer;
+REVOKE ALL ON FUNCTION outbox._prepare_enqueue() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._purge_batch(integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.retry_failed(bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.skip_failed(bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.purge(interval) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.retry_failed(bigint[]) TO outbox_admin;
+GRANT EXECUTE ON FUNCTION outbox.skip_failed(bigint[]) TO outbox_admin;
+GRANT EXECUTE ON FUNCTION outbox.purge(interval) TO outbox_admin;
+GRANT SELECT ON outbox.stats TO outbox_admin, pg_monitor;
+GRANT USAGE ON SCHEMA outbox TO pg_monitor;

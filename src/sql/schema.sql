@@ -17,6 +17,21 @@ $guard$;
 CREATE SCHEMA outbox;
 COMMENT ON SCHEMA outbox IS 'outbox_pg: the outbox table and the relay''s functions';
 
+-- Roles are cluster-wide and outlive the extension (DROP EXTENSION leaves them), so create them only
+-- when missing: a second database with the extension reuses them.
+DO $roles$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_writer') THEN
+        CREATE ROLE outbox_writer NOLOGIN;
+        COMMENT ON ROLE outbox_writer IS 'outbox_pg: may call outbox_enqueue; reads no outbox rows';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_admin') THEN
+        CREATE ROLE outbox_admin NOLOGIN;
+        COMMENT ON ROLE outbox_admin IS 'outbox_pg: reads outbox rows and stats, retries, skips and purges events';
+    END IF;
+END
+$roles$;
+
 CREATE TABLE outbox.messages (
     -- Ascending, but not commit order: a lower id can commit after a higher one.
     id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -24,20 +39,27 @@ CREATE TABLE outbox.messages (
     event_id       uuid        NOT NULL UNIQUE,
     aggregate_type text        NOT NULL CHECK (aggregate_type <> ''),
     aggregate_id   text        NOT NULL CHECK (aggregate_id <> ''),
+    -- 1, 2, 3, ... per (aggregate_type, aggregate_id), gap-free in commit order; sent with the entry.
+    aggregate_seq  bigint      NOT NULL CHECK (aggregate_seq > 0),
     event_type     text        NOT NULL CHECK (event_type <> ''),
     payload        jsonb       NOT NULL,
     headers        jsonb       CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object'),
     -- Explicit stream for this event; NULL means "use the outbox.stream template".
     stream         text        CHECK (stream IS NULL OR octet_length(stream) BETWEEN 1 AND 512),
     status         text        NOT NULL DEFAULT 'pending'
-                               CHECK (status IN ('pending', 'publishing', 'published', 'failed')),
+                               CHECK (status IN ('pending', 'publishing', 'published', 'failed', 'skipped')),
     created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
     claimed_at     timestamptz,
     -- Process id of the relay (or session) holding the claim, to return claims of one that exited.
     claimed_by     integer,
     published_at   timestamptz,
-    -- Publish attempts so far: incremented each time a relay claims the row.
+    -- Not before this time (per-event backoff after Redis rejected the event); NULL = at once.
+    available_at   timestamptz,
+    -- Publish attempts so far: incremented each time a relay claims the row, whatever the outcome.
     attempts       integer     NOT NULL DEFAULT 0,
+    -- Attempts Redis rejected because of the event itself; at outbox.max_attempts it is dead-lettered.
+    rejections     integer     NOT NULL DEFAULT 0,
+    failed_at      timestamptz,
     last_error     text
 );
 
@@ -46,14 +68,36 @@ COMMENT ON TABLE outbox.messages IS
 COMMENT ON COLUMN outbox.messages.id IS 'Ascending identity; the relay publishes oldest first. Not commit order across transactions.';
 COMMENT ON COLUMN outbox.messages.event_id IS 'Stable event identity (UUIDv7), sent as the entry field event_id; consumers deduplicate on it';
 COMMENT ON COLUMN outbox.messages.stream IS 'Explicit Redis stream key; NULL means the outbox.stream template decides';
-COMMENT ON COLUMN outbox.messages.status IS 'pending -> publishing (claimed) -> published; failed rows need an operator';
-COMMENT ON COLUMN outbox.messages.attempts IS 'How many times a relay claimed this row for publishing';
+COMMENT ON COLUMN outbox.messages.aggregate_seq IS 'Per-aggregate sequence number (1, 2, 3, ...), gap-free in commit order; consumers use it to detect gaps and reordering';
+COMMENT ON COLUMN outbox.messages.status IS 'pending -> publishing (claimed) -> published; failed (dead letter) until retried or skipped; see docs/worker.md';
+COMMENT ON COLUMN outbox.messages.available_at IS 'Earliest next try after Redis rejected the event (per-event backoff); NULL means now';
+COMMENT ON COLUMN outbox.messages.attempts IS 'How many times a relay claimed this row for publishing, whatever the outcome';
+COMMENT ON COLUMN outbox.messages.rejections IS 'How many times Redis rejected this event because of the event itself; outbox.max_attempts dead-letters it';
 COMMENT ON COLUMN outbox.messages.last_error IS 'Why the last publish attempt failed (Redis error text); NULL once published';
+
+-- The last sequence number handed out per aggregate. One small row per aggregate ever seen; its row
+-- lock is what serialises concurrent enqueues of the same aggregate (and only of that aggregate).
+CREATE TABLE outbox.aggregates (
+    aggregate_type text   NOT NULL,
+    aggregate_id   text   NOT NULL,
+    last_seq       bigint NOT NULL,
+    PRIMARY KEY (aggregate_type, aggregate_id)
+);
+COMMENT ON TABLE outbox.aggregates IS
+    'outbox_pg: last aggregate_seq handed out per aggregate; kept after retention so that numbering never restarts';
+-- Only last_seq changes, which no index covers: every update can be HOT, in place on its page.
+ALTER TABLE outbox.aggregates SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
 
 -- The worker's queries touch only the rows these partial indexes hold, so their cost does not grow
 -- with the number of published rows kept for retention.
 CREATE INDEX messages_pending_idx ON outbox.messages (id) WHERE status = 'pending';
 CREATE INDEX messages_publishing_idx ON outbox.messages (claimed_at) WHERE status = 'publishing';
+CREATE INDEX messages_failed_idx ON outbox.messages (id) WHERE status = 'failed';
+-- Per-aggregate order: "is an earlier event of this aggregate still undelivered?"
+CREATE INDEX messages_undelivered_idx ON outbox.messages (aggregate_type, aggregate_id, aggregate_seq)
+    WHERE status IN ('pending', 'publishing', 'failed');
+-- Retention deletes, and the stats read, the oldest and newest published rows through it.
+CREATE INDEX messages_published_idx ON outbox.messages (published_at) WHERE status IN ('published', 'skipped');
 
 -- Every row is updated at least twice and later deleted: vacuum it early and often so dead tuples
 -- and the partial indexes stay small under sustained load.
@@ -67,3 +111,10 @@ ALTER TABLE outbox.messages SET (
 -- pg_dump must keep undelivered events (and the id sequence, so restored ids keep ascending).
 SELECT pg_catalog.pg_extension_config_dump('outbox.messages', 'WHERE status <> ''published''');
 SELECT pg_catalog.pg_extension_config_dump('outbox.messages_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.aggregates', '');
+
+-- Writers get nothing here: they enqueue through outbox_enqueue (SECURITY DEFINER) and cannot read
+-- other writers' payloads. Admins read and repair.
+GRANT USAGE ON SCHEMA outbox TO outbox_admin;
+GRANT SELECT, UPDATE, DELETE ON outbox.messages TO outbox_admin;
+GRANT SELECT ON outbox.aggregates TO outbox_admin;

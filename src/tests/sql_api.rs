@@ -3,9 +3,18 @@
 
 use pgrx::prelude::*;
 
-/// Runs `sql` in a subtransaction and returns the SQLSTATE and message it raised.
+/// Runs `sql` in a subtransaction and returns the SQLSTATE and message it raised. The
+/// subtransaction is rolled back, as a client's savepoint would be, so that nothing the failed
+/// statement did (rows, `SET search_path` of a function) leaks into the rest of the test.
 fn error_of(sql: &str) -> (String, String) {
     let sql = sql.to_string();
+    // SAFETY: the usual PL exception-block protocol: remember context and owner, start an internal
+    // subtransaction, and on error roll it back and restore both.
+    let (context, owner) = unsafe {
+        let saved = (pg_sys::CurrentMemoryContext, pg_sys::CurrentResourceOwner);
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        saved
+    };
     let caught = PgTryBuilder::new(move || {
         Spi::run(&sql).expect("statement");
         None
@@ -19,6 +28,11 @@ fn error_of(sql: &str) -> (String, String) {
         )),
     })
     .execute();
+    unsafe {
+        pg_sys::RollbackAndReleaseCurrentSubTransaction();
+        pg_sys::MemoryContextSwitchTo(context);
+        pg_sys::CurrentResourceOwner = owner;
+    }
     caught.expect("the statement must fail")
 }
 
@@ -134,7 +148,7 @@ fn claim_takes_oldest_pending_first_and_settles() {
         Spi::run(&format!("SELECT outbox_enqueue('a', '{i}', 'e', '{{\"n\": {i}}}')")).unwrap();
     }
     let claimed = Spi::get_one::<String>(
-        "SELECT string_agg(aggregate_id, ',' ORDER BY id) FROM outbox._claim_batch(3)",
+        "SELECT string_agg(aggregate_id, ',' ORDER BY id) FROM outbox._claim_batch(3, true)",
     )
     .unwrap()
     .unwrap();
@@ -171,7 +185,7 @@ fn claim_formats_created_at_as_rfc3339_utc_with_microseconds() {
     Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
     let (created_at, expected) = Spi::get_two::<String, String>(
         "SELECT c.created_at, to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
-           FROM outbox._claim_batch(1) c JOIN outbox.messages m ON m.id = c.id",
+           FROM outbox._claim_batch(1, true) c JOIN outbox.messages m ON m.id = c.id",
     )
     .unwrap();
     let created_at = created_at.unwrap();
@@ -184,7 +198,7 @@ fn claim_formats_created_at_as_rfc3339_utc_with_microseconds() {
 fn reaper_returns_claims_of_exited_processes_and_expired_leases() {
     Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
     Spi::run("SELECT outbox_enqueue('a', 'y', 'e', '{}')").unwrap();
-    Spi::run("SELECT count(*) FROM outbox._claim_batch(2)").unwrap();
+    Spi::run("SELECT count(*) FROM outbox._claim_batch(2, true)").unwrap();
     // This session is alive and the lease is long: nothing to reap.
     assert_eq!(Spi::get_one::<i64>("SELECT outbox._reap_expired(60000)").unwrap(), Some(0));
     // A claimer pid that no process has, and a claim older than the lease.
@@ -212,7 +226,7 @@ fn schema_is_registered_for_pg_dump_and_indexes_are_partial() {
     )
     .unwrap()
     .unwrap();
-    assert_eq!(dumped, "messages:WHERE status <> 'published',messages_id_seq:");
+    assert_eq!(dumped, "aggregates:,messages:WHERE status <> 'published',messages_id_seq:");
     let logged = Spi::get_one::<String>("SELECT relpersistence::text FROM pg_class WHERE oid = 'outbox.messages'::regclass")
         .unwrap()
         .unwrap();
@@ -222,5 +236,197 @@ fn schema_is_registered_for_pg_dump_and_indexes_are_partial() {
     )
     .unwrap()
     .unwrap();
-    assert_eq!(partial, 2);
+    assert_eq!(partial, 5);
+}
+
+fn ids_where(condition: &str) -> Vec<i64> {
+    Spi::connect(|c| {
+        c.select(&format!("SELECT id FROM outbox.messages WHERE {condition} ORDER BY id"), None, &[])
+            .unwrap()
+            .map(|row| row.get::<i64>(1).unwrap().unwrap())
+            .collect()
+    })
+}
+
+fn claim(batch: i32, in_order: bool) -> Vec<String> {
+    Spi::connect_mut(|c| {
+        c.update(
+            "SELECT aggregate_id || '#' || aggregate_seq FROM outbox._claim_batch($1, $2) ORDER BY id",
+            None,
+            &[batch.into(), in_order.into()],
+        )
+        .unwrap()
+        .map(|row| row.get::<String>(1).unwrap().unwrap())
+        .collect()
+    })
+}
+
+#[pg_test]
+fn aggregate_seq_counts_per_aggregate_and_is_sent_with_the_claim() {
+    for (agg, id) in [("a", "1"), ("a", "1"), ("a", "2"), ("b", "1"), ("a", "1")] {
+        Spi::run(&format!("SELECT outbox_enqueue('{agg}', '{id}', 'e', '{{}}')")).unwrap();
+    }
+    let seqs = Spi::get_one::<String>(
+        "SELECT string_agg(aggregate_type || aggregate_id || ':' || aggregate_seq, ',' ORDER BY id) FROM outbox.messages",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(seqs, "a1:1,a1:2,a2:1,b1:1,a1:3");
+    // Unordered claims hand out everything; seq travels with each event.
+    assert_eq!(claim(10, false), ["1#1", "1#2", "2#1", "1#1", "1#3"]);
+}
+
+#[pg_test]
+fn ordered_claim_holds_back_later_events_of_an_aggregate_only() {
+    for i in 1..=3 {
+        Spi::run(&format!("SELECT outbox_enqueue('acc', 'x', 'e{i}', '{{}}')")).unwrap();
+        Spi::run(&format!("SELECT outbox_enqueue('acc', 'y', 'e{i}', '{{}}')")).unwrap();
+    }
+    // A batch cut after x#2 gets x#1..2 and y#1: a run from each aggregate's first undelivered event.
+    assert_eq!(claim(3, true), ["x#1", "y#1", "x#2"]);
+    // While those are publishing, the later events of x and y wait.
+    assert!(claim(10, true).is_empty());
+    // x#1 rejected (backing off), x#2 and y#1 published: y flows, x#3 still waits for x#1.
+    let x = ids_where("aggregate_id = 'x'");
+    let y = ids_where("aggregate_id = 'y'");
+    Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE', 10, 60000)", &[vec![x[0]].into()]).unwrap();
+    Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[vec![x[1], y[0]].into()]).unwrap();
+    assert_eq!(claim(10, true), ["y#2", "y#3"]);
+    // Once x#1 is available again it goes first, then x#3 in the same batch.
+    Spi::run("UPDATE outbox.messages SET available_at = NULL").unwrap();
+    assert_eq!(claim(10, true), ["x#1", "x#3"]);
+    // Without ordering nothing waits.
+    for i in 4..=5 {
+        Spi::run(&format!("SELECT outbox_enqueue('acc', 'x', 'e{i}', '{{}}')")).unwrap();
+    }
+    assert_eq!(claim(10, false), ["x#4", "x#5"]);
+}
+
+#[pg_test]
+fn a_failed_event_holds_its_aggregate_until_retried_or_skipped() {
+    for i in 1..=3 {
+        Spi::run(&format!("SELECT outbox_enqueue('acc', 'x', 'e{i}', '{{}}')")).unwrap();
+    }
+    Spi::run("SELECT outbox_enqueue('acc', 'z', 'e', '{}')").unwrap();
+    let x = ids_where("aggregate_id = 'x'");
+    assert_eq!(claim(1, true), ["x#1"]);
+    // Two rejections with max_attempts = 2: the second dead-letters it.
+    assert_eq!(
+        Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE x', 2, 1)", &[vec![x[0]].into()]).unwrap(),
+        Some(0)
+    );
+    Spi::run("UPDATE outbox.messages SET available_at = NULL").unwrap();
+    assert_eq!(claim(1, true), ["x#1"]);
+    assert_eq!(
+        Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE x', 2, 1)", &[vec![x[0]].into()]).unwrap(),
+        Some(1)
+    );
+    let failed = Spi::get_one::<String>(&format!(
+        "SELECT status || ':' || rejections || ':' || (failed_at IS NOT NULL) || ':' || last_error
+           FROM outbox.messages WHERE id = {}",
+        x[0]
+    ));
+    assert_eq!(failed.unwrap().unwrap(), "failed:2:true:WRONGTYPE x");
+    // x is held back, z is not.
+    assert_eq!(claim(10, true), ["z#1"]);
+    // Retrying puts it back first in line.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<String>(&format!("SELECT status || attempts || rejections FROM outbox.messages WHERE id = {}", x[0])).unwrap().unwrap(), "pending00");
+    assert_eq!(claim(1, true), ["x#1"]);
+    // Dead-letter it again and skip it: the rest of x flows.
+    Spi::run(&format!("UPDATE outbox.messages SET status = 'failed' WHERE id = {}", x[0])).unwrap();
+    assert!(claim(10, true).is_empty());
+    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox.skip_failed($1)", &[vec![x[0]].into()]).unwrap(), Some(1));
+    assert_eq!(claim(10, true), ["x#2", "x#3"]);
+    let (sqlstate, message) = error_of("SELECT outbox.skip_failed(NULL)");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+}
+
+#[pg_test]
+fn purge_deletes_only_old_published_and_skipped_rows() {
+    for i in 0..6 {
+        Spi::run(&format!("SELECT outbox_enqueue('p', '{i}', 'e', '{{}}')")).unwrap();
+    }
+    let ids = ids_where("true");
+    // 0,1 published long ago; 2 published now; 3 failed long ago; 4 skipped long ago; 5 pending.
+    Spi::run(&format!(
+        "UPDATE outbox.messages SET status = 'published', published_at = now() - interval '10 days' WHERE id IN ({}, {});
+         UPDATE outbox.messages SET status = 'published', published_at = now() WHERE id = {};
+         UPDATE outbox.messages SET status = 'failed', failed_at = now() - interval '10 days' WHERE id = {};
+         UPDATE outbox.messages SET status = 'skipped', published_at = now() - interval '10 days' WHERE id = {};",
+        ids[0], ids[1], ids[2], ids[3], ids[4]
+    ))
+    .unwrap();
+    // The relay's batched retention takes the oldest first, batch by batch.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(7 * 86400, 2)").unwrap(), Some(2));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('7 days')").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(1));
+    assert_eq!(ids_where("true"), vec![ids[3], ids[5]]);
+    let (sqlstate, _) = error_of("SELECT outbox.purge('-1 day')");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE");
+    let (sqlstate, _) = error_of("SELECT outbox.purge(NULL)");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE");
+}
+
+#[pg_test]
+fn stats_counts_exactly_and_reports_the_oldest_pending_age() {
+    assert_eq!(
+        Spi::get_one::<String>("SELECT concat_ws(',', pending, publishing, failed, oldest_pending_age IS NULL) FROM outbox.stats")
+            .unwrap()
+            .unwrap(),
+        "0,0,0,t"
+    );
+    for i in 0..4 {
+        Spi::run(&format!("SELECT outbox_enqueue('s', '{i}', 'e', '{{}}')")).unwrap();
+    }
+    Spi::run("UPDATE outbox.messages SET created_at = now() - interval '1 hour' WHERE aggregate_id = '0'").unwrap();
+    claim(1, true);
+    let ids = ids_where("status = 'pending'");
+    Spi::run(&format!("UPDATE outbox.messages SET status = 'failed' WHERE id = {}", ids[0])).unwrap();
+    let row = Spi::get_one::<String>(
+        "SELECT concat_ws(',', pending, publishing, failed, oldest_pending_age >= interval '1 hour', redis_connected)
+           FROM outbox.stats",
+    )
+    .unwrap()
+    .unwrap();
+    // The claimed row (created an hour ago) counts as undelivered; this instance has no Redis.
+    assert_eq!(row, "2,1,1,t,f");
+}
+
+#[pg_test]
+fn writers_enqueue_without_reading_and_only_admins_operate() {
+    Spi::run("CREATE ROLE test_writer IN ROLE outbox_writer").unwrap();
+    Spi::run("CREATE ROLE test_admin IN ROLE outbox_admin").unwrap();
+    Spi::run("CREATE ROLE test_nobody").unwrap();
+    Spi::run("GRANT USAGE ON SCHEMA tests TO test_writer, test_admin, test_nobody").unwrap();
+
+    Spi::run("SET LOCAL ROLE test_writer").unwrap();
+    Spi::run("SELECT outbox_enqueue('sec', 1, 'e', '{\"secret\": 1}')").unwrap();
+    for sql in [
+        "SELECT count(*) FROM outbox.messages",
+        "SELECT outbox.retry_failed()",
+        "SELECT outbox.purge('0')",
+        "SELECT * FROM outbox.stats",
+        "SELECT count(*) FROM outbox._claim_batch(1, true)",
+    ] {
+        let (sqlstate, message) = error_of(sql);
+        assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE", "writer ran {sql}: {message}");
+    }
+
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SET LOCAL ROLE test_nobody").unwrap();
+    let (sqlstate, message) = error_of("SELECT outbox_enqueue('sec', 2, 'e', '{}')");
+    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
+
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SET LOCAL ROLE test_admin").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.messages").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT pending FROM outbox.stats").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(0));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
+    let (sqlstate, _) = error_of("SELECT outbox_enqueue('sec', 3, 'e', '{}')");
+    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
+    let (sqlstate, _) = error_of("SELECT count(*) FROM outbox._claim_batch(1, true)");
+    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
+    Spi::run("RESET ROLE").unwrap();
 }

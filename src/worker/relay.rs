@@ -1,13 +1,15 @@
 //! The relay worker: connected to `outbox.database`, it runs rounds (`tick`) while there is work,
 //! sleeps on its latch (woken by committing enqueuers, or by the poll interval) when there is none,
-//! and backs off when Redis or the database fails. Started and restarted by the launcher.
+//! and backs off when Redis or the database fails. Between rounds it does the housekeeping: return
+//! expired claims, watch the oldest pending event's age, delete expired published events. Started
+//! and restarted by the launcher.
 
 use std::time::{Duration, Instant};
 
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
-use crate::guc;
+use crate::guc::{self, FaultInjection};
 use crate::shmem;
 use crate::sink::redis::{RedisConfig, RedisSink};
 use crate::worker::backoff::Backoff;
@@ -16,8 +18,15 @@ use crate::worker::tick::{self, TickOutcome, TickSettings};
 /// Delay of the first retry after Redis or the database failed; doubles up to `BACKOFF_CAP`.
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(10);
-/// How often claims are checked for an expired lease or a dead claimer.
-const REAP_EVERY: Duration = Duration::from_secs(1);
+/// Housekeeping cadence while anything is undelivered or being purged; when the outbox is empty it
+/// runs only once per poll interval, so an idle relay queries no more often than that.
+const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
+/// Retention deletes batches of this many rows, for at most `PURGE_BUDGET` per housekeeping, so
+/// that it never holds up the relay for long and never runs one huge DELETE.
+const PURGE_BATCH: i32 = 1_000;
+const PURGE_BUDGET: Duration = Duration::from_millis(50);
+/// While the oldest pending event stays above `outbox.alert_age`, repeat the WARNING this often.
+const ALERT_REPEAT: Duration = Duration::from_secs(60);
 
 /// What the relay last reported, so that it logs changes of state rather than every retry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,7 +43,9 @@ struct Relay {
     backoff: Backoff,
     health: Health,
     retry_at: Option<Instant>,
-    next_reap: Instant,
+    next_housekeeping: Instant,
+    /// When the last age WARNING was logged, while the alert is on.
+    alerting_since_log: Option<Instant>,
     database: String,
 }
 
@@ -54,12 +65,13 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
         health: Health::Healthy,
         retry_at: None,
-        next_reap: Instant::now(),
+        // At once: a restarted relay first returns the claims its predecessor left behind.
+        next_housekeeping: Instant::now(),
+        alerting_since_log: None,
         database: guc::database(),
     };
     relay.sink.configure(redis_config());
     log!("outbox_pg relay started: database \"{}\", Redis at {}", relay.database, relay.sink.describe());
-    report_activity("idle");
 
     loop {
         if BackgroundWorker::sighup_received() {
@@ -71,19 +83,20 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             if relay.sink.describe() != before || !relay.sink.is_connected() {
                 relay.retry_at = None;
             }
+            if guc::fault_injection() == FaultInjection::None {
+                shmem::set_fault_fired(false);
+            }
         }
 
-        let wait = relay.run_once();
-        match wait {
+        match relay.run_once() {
             Some(timeout) => {
-                report_activity("idle");
+                report_activity(false);
                 if !BackgroundWorker::wait_latch(Some(timeout)) {
                     break;
                 }
             }
             None => {
                 // More work is waiting: keep going, but stay responsive to signals and barriers.
-                // SAFETY: processes pending interrupts (procsignal barriers, cancel) between rounds.
                 pg_sys::check_for_interrupts!();
                 if BackgroundWorker::sigterm_received() {
                     break;
@@ -95,14 +108,10 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
 }
 
 impl Relay {
-    /// Runs at most one round and returns how long to sleep before the next, or `None` to run the
-    /// next round at once.
+    /// Runs the housekeeping when due and at most one round, and returns how long to sleep before
+    /// the next, or `None` to go on at once.
     fn run_once(&mut self) -> Option<Duration> {
         let poll = guc::poll_interval();
-        if !guc::enabled() {
-            self.set_health(Health::Disabled);
-            return Some(poll);
-        }
         if let Some(retry_at) = self.retry_at {
             let now = Instant::now();
             if now < retry_at {
@@ -110,40 +119,59 @@ impl Relay {
             }
             self.retry_at = None;
         }
-        if Instant::now() >= self.next_reap {
-            self.next_reap = Instant::now() + REAP_EVERY;
-            match tick::reap_expired_claims(guc::lease_ms()) {
-                Ok(Some(reaped)) if reaped > 0 => {
-                    log!("outbox_pg: returned {reaped} events whose claim expired or whose relay exited to pending")
+        // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
+        if Instant::now() >= self.next_housekeeping {
+            match self.housekeeping() {
+                Ok(busy) => {
+                    let every = if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) };
+                    self.next_housekeeping = Instant::now() + every;
                 }
-                Ok(_) => {}
                 Err(error) => return Some(self.failed(Health::DatabaseError(error))),
             }
         }
+        let until_housekeeping = self.next_housekeeping.saturating_duration_since(Instant::now());
+        if !guc::enabled() {
+            self.set_health(Health::Disabled);
+            return Some(poll.min(until_housekeeping));
+        }
 
-        report_activity("publishing");
+        report_activity(true);
         let settings = TickSettings {
             batch_size: guc::batch_size(),
             stream_template: guc::stream_template(),
             stream_maxlen: guc::stream_maxlen(),
+            in_order: guc::ordering() == guc::Ordering::Aggregate,
+            max_attempts: guc::max_attempts(),
+            retry_delay_ms: guc::retry_delay_ms(),
+            fault: guc::fault_injection(),
         };
         let outcome = tick::tick(&mut self.sink, &settings);
         shmem::set_redis_connected(self.sink.is_connected());
         match outcome {
-            TickOutcome::Worked { claimed, rejected, .. } => {
+            TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, .. } => {
                 self.recovered();
+                if let Some(error) = last_rejection {
+                    shmem::set_last_error(&format!("Redis rejected {rejected} events: {error}"));
+                }
+                if dead_lettered > 0 {
+                    warning!(
+                        "outbox_pg: {dead_lettered} events reached outbox.max_attempts ({}) and are now failed; \
+                         see outbox.messages WHERE status = 'failed', then outbox.retry_failed() or outbox.skip_failed()",
+                        settings.max_attempts
+                    );
+                }
                 if claimed >= settings.batch_size && rejected == 0 {
                     None
                 } else {
                     // The queue was drained at claim time (or only rejected rows are left, which
-                    // must not be retried in a tight loop). Commits made during this round have
-                    // set the latch, so the wait returns at once if there is new work.
-                    Some(poll)
+                    // back off on their own). Commits made during this round have set the latch,
+                    // so the wait returns at once if there is new work.
+                    Some(poll.min(until_housekeeping))
                 }
             }
             TickOutcome::Idle => {
                 self.recovered();
-                Some(poll)
+                Some(poll.min(until_housekeeping))
             }
             TickOutcome::ExtensionMissing => {
                 self.set_health(Health::ExtensionMissing);
@@ -151,6 +179,70 @@ impl Relay {
             }
             TickOutcome::BrokerDown { error, .. } => Some(self.failed(Health::BrokerDown(error.0))),
             TickOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),
+        }
+    }
+
+    /// Returns expired claims, checks the age alert, applies retention. `Ok(true)` while there is
+    /// anything to watch (undelivered events, rows being purged).
+    fn housekeeping(&mut self) -> Result<bool, String> {
+        let Some(found) = tick::housekeeping(guc::lease_ms())? else {
+            return Ok(false);
+        };
+        if found.reaped > 0 {
+            log!(
+                "outbox_pg: returned {} claimed events to pending (their claim expired or their relay exited); they will be published again",
+                found.reaped
+            );
+        }
+        self.check_alert(found.oldest_pending_age);
+
+        let mut purged = 0;
+        if let Some(retention_s) = guc::retention_s() {
+            let started = Instant::now();
+            loop {
+                let deleted = tick::purge_batch(retention_s, PURGE_BATCH)?;
+                purged += deleted;
+                if deleted < PURGE_BATCH as i64 || started.elapsed() >= PURGE_BUDGET {
+                    break;
+                }
+            }
+        }
+        Ok(found.oldest_pending_age.is_some() || found.reaped > 0 || purged > 0)
+    }
+
+    /// Logs a WARNING when the oldest pending event crosses `outbox.alert_age` (then once a minute
+    /// while it stays above), and a LOG line when it is back below.
+    fn check_alert(&mut self, oldest_pending_age: Option<Duration>) {
+        let Some(threshold) = guc::alert_age() else {
+            self.alerting_since_log = None;
+            return;
+        };
+        let above = oldest_pending_age.filter(|age| *age >= threshold);
+        match (above, self.alerting_since_log) {
+            (Some(age), last) if last.is_none_or(|logged| logged.elapsed() >= ALERT_REPEAT) => {
+                warning!(
+                    "outbox_pg: oldest pending event is {} old, above outbox.alert_age ({}); the relay is {}",
+                    human(age),
+                    human(threshold),
+                    match &self.health {
+                        Health::Disabled => "paused (outbox.enabled = off)".to_string(),
+                        Health::BrokerDown(error) => format!("failing to reach Redis: {error}"),
+                        Health::DatabaseError(error) => format!("failing: {error}"),
+                        Health::ExtensionMissing => "waiting for the extension".to_string(),
+                        Health::Healthy => "running; check failed events and per-aggregate backlogs".to_string(),
+                    }
+                );
+                self.alerting_since_log = Some(Instant::now());
+            }
+            (None, Some(_)) => {
+                log!(
+                    "outbox_pg: oldest pending event is {} old, below outbox.alert_age ({}) again; alert cleared",
+                    oldest_pending_age.map(human).unwrap_or_else(|| "0s (none pending)".into()),
+                    human(threshold)
+                );
+                self.alerting_since_log = None;
+            }
+            _ => {}
         }
     }
 
@@ -169,6 +261,9 @@ impl Relay {
     /// Logs transitions only: a Redis outage produces one WARNING when it starts and one LOG when
     /// it ends, however many retries happen in between.
     fn set_health(&mut self, health: Health) {
+        if let Health::BrokerDown(error) | Health::DatabaseError(error) = &health {
+            shmem::set_last_error(error);
+        }
         // One state per kind of trouble: a Redis going from "connection reset" to "connection
         // refused" is still the same outage.
         if std::mem::discriminant(&health) == std::mem::discriminant(&self.health) {
@@ -204,6 +299,16 @@ impl Relay {
     }
 }
 
+/// A duration as an operator reads it: `42.0s`, `7m 5s`, `2h 3m`.
+fn human(duration: Duration) -> String {
+    let secs = duration.as_secs();
+    match secs {
+        0..60 => format!("{:.1}s", duration.as_secs_f64()),
+        60..3600 => format!("{}m {}s", secs / 60, secs % 60),
+        _ => format!("{}h {}m", secs / 3600, (secs % 3600) / 60),
+    }
+}
+
 fn redis_config() -> RedisConfig {
     RedisConfig { url: guc::redis_url(), password_file: guc::redis_password_file(), timeout: guc::redis_timeout() }
 }
@@ -217,14 +322,13 @@ fn seed() -> u64 {
     nanos ^ (unsafe { pg_sys::MyProcPid } as u64).rotate_left(32)
 }
 
-/// Shows what the relay is doing in `pg_stat_activity.query`.
-fn report_activity(what: &str) {
-    let text = match what {
-        "publishing" => c"outbox_pg: publishing",
-        _ => c"outbox_pg: waiting for events",
+/// Shows what the relay is doing in `pg_stat_activity` (state and query).
+fn report_activity(publishing: bool) {
+    let (state, text) = if publishing {
+        (pg_sys::BackendState::STATE_RUNNING, c"outbox_pg: publishing")
+    } else {
+        (pg_sys::BackendState::STATE_IDLE, c"outbox_pg: waiting for events")
     };
-    let state =
-        if what == "publishing" { pg_sys::BackendState::STATE_RUNNING } else { pg_sys::BackendState::STATE_IDLE };
     // SAFETY: a static NUL-terminated string; pgstat copies it.
     unsafe { pg_sys::pgstat_report_activity(state, text.as_ptr()) };
 }
@@ -232,4 +336,17 @@ fn report_activity(what: &str) {
 #[pg_guard]
 unsafe extern "C-unwind" fn forget_relay(_code: i32, _arg: pg_sys::Datum) {
     shmem::unregister_relay();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_read_like_an_operator_writes_them() {
+        assert_eq!(human(Duration::from_millis(42_300)), "42.3s");
+        assert_eq!(human(Duration::from_secs(7 * 60 + 5)), "7m 5s");
+        assert_eq!(human(Duration::from_secs(2 * 3600 + 3 * 60 + 9)), "2h 3m");
+    }
 }

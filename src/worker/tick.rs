@@ -2,11 +2,13 @@
 //! settle the rows (second short transaction). No signal handling and no waiting here, so that the
 //! outcome alone decides what the main loop does next.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use pgrx::prelude::*;
 
 use crate::entry::OutboxEvent;
+use crate::guc::FaultInjection;
+use crate::shmem;
 use crate::sink::redis::{BrokerError, EntryOutcome, RedisSink};
 use crate::worker::txn;
 
@@ -16,14 +18,20 @@ pub struct TickSettings {
     pub batch_size: usize,
     pub stream_template: String,
     pub stream_maxlen: Option<u64>,
+    /// Claim in per-aggregate order (`outbox.ordering = aggregate`).
+    pub in_order: bool,
+    pub max_attempts: i32,
+    pub retry_delay_ms: i32,
+    pub fault: FaultInjection,
 }
 
 /// The outcome of one round.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TickOutcome {
     /// A batch was claimed and settled. `published` reached Redis; `rejected` were refused by
-    /// Redis because of the entry itself and went back to pending with their error.
-    Worked { claimed: usize, published: usize, rejected: usize },
+    /// Redis because of the entry itself and went back to pending (backing off) with their error,
+    /// of which `dead_lettered` reached `max_attempts` and are now failed.
+    Worked { claimed: usize, published: usize, rejected: usize, dead_lettered: i64, last_rejection: Option<String> },
     /// Nothing was pending.
     Idle,
     /// The extension is not installed in the relay's database (yet, or any more).
@@ -36,23 +44,44 @@ pub enum TickOutcome {
 }
 
 const EXTENSION_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_pg')";
-const CLAIM: &str =
-    "SELECT id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at \
-                     FROM outbox._claim_batch($1)";
+const CLAIM: &str = "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
+                     stream, created_at FROM outbox._claim_batch($1, $2)";
 const MARK_PUBLISHED: &str = "SELECT outbox._mark_published($1)";
 const RELEASE: &str = "SELECT outbox._release($1, $2)";
+const REJECT: &str = "SELECT outbox._reject($1, $2, $3, $4)";
+const UNCLAIM: &str = "SELECT outbox._unclaim($1)";
 const REAP: &str = "SELECT outbox._reap_expired($1)";
 
-/// Returns claims whose lease expired or whose claimer is gone; `Ok(None)` when the extension is
-/// not installed.
-pub fn reap_expired_claims(lease_ms: i32) -> Result<Option<i64>, String> {
-    txn::run(move || -> Result<Option<i64>, pgrx::spi::Error> {
+/// What the relay's periodic housekeeping found.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Housekeeping {
+    /// Claims returned to pending (lease expired or claimer exited).
+    pub reaped: i64,
+    /// Age of the oldest undelivered event, if any.
+    pub oldest_pending_age: Option<std::time::Duration>,
+}
+
+const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pending_age()) * 1000)::float8";
+const PURGE_BATCH: &str = "SELECT outbox._purge_batch($1, $2)";
+
+/// Returns expired or orphaned claims to pending and measures the oldest pending event, in one
+/// short transaction. `Ok(None)` when the extension is not installed.
+pub fn housekeeping(lease_ms: i32) -> Result<Option<Housekeeping>, String> {
+    txn::run(move || -> Result<Option<Housekeeping>, pgrx::spi::Error> {
         if !extension_installed()? {
             return Ok(None);
         }
-        Spi::get_one_with_args::<i64>(REAP, &[lease_ms.into()])
+        let reaped = Spi::get_one_with_args::<i64>(REAP, &[lease_ms.into()])?.unwrap_or(0);
+        let oldest_pending_age = Spi::get_one::<f64>(OLDEST_PENDING_AGE_MS)?
+            .map(|ms| std::time::Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+        Ok(Some(Housekeeping { reaped, oldest_pending_age }))
     })
-    .and_then(|r| r.map_err(|e| e.to_string()))
+}
+
+/// Deletes one batch of published events older than the retention; returns how many.
+pub fn purge_batch(retention_s: i32, batch_size: i32) -> Result<i64, String> {
+    txn::run(move || Spi::get_one_with_args::<i64>(PURGE_BATCH, &[retention_s.into(), batch_size.into()]))
+        .map(|n| n.unwrap_or(0))
 }
 
 fn extension_installed() -> Result<bool, pgrx::spi::Error> {
@@ -60,14 +89,14 @@ fn extension_installed() -> Result<bool, pgrx::spi::Error> {
 }
 
 /// Claims up to `batch_size` pending events and commits the claim.
-fn claim(batch_size: usize) -> Result<Option<Vec<OutboxEvent>>, String> {
+fn claim(batch_size: usize, in_order: bool) -> Result<Option<Vec<OutboxEvent>>, String> {
     let batch_size = batch_size as i32;
     txn::run(move || -> Result<Option<Vec<OutboxEvent>>, pgrx::spi::Error> {
         if !extension_installed()? {
             return Ok(None);
         }
         Spi::connect_mut(|client| {
-            let rows = client.update(CLAIM, None, &[batch_size.into()])?;
+            let rows = client.update(CLAIM, None, &[batch_size.into(), in_order.into()])?;
             let mut events = Vec::with_capacity(rows.len());
             for row in rows {
                 events.push(OutboxEvent {
@@ -75,11 +104,12 @@ fn claim(batch_size: usize) -> Result<Option<Vec<OutboxEvent>>, String> {
                     event_id: row.get::<String>(2)?.unwrap_or_default(),
                     aggregate_type: row.get::<String>(3)?.unwrap_or_default(),
                     aggregate_id: row.get::<String>(4)?.unwrap_or_default(),
-                    event_type: row.get::<String>(5)?.unwrap_or_default(),
-                    payload: row.get::<String>(6)?.unwrap_or_default(),
-                    headers: row.get::<String>(7)?,
-                    stream: row.get::<String>(8)?,
-                    created_at: row.get::<String>(9)?.unwrap_or_default(),
+                    aggregate_seq: row.get::<i64>(5)?.unwrap_or_default(),
+                    event_type: row.get::<String>(6)?.unwrap_or_default(),
+                    payload: row.get::<String>(7)?.unwrap_or_default(),
+                    headers: row.get::<String>(8)?,
+                    stream: row.get::<String>(9)?,
+                    created_at: row.get::<String>(10)?.unwrap_or_default(),
                 });
             }
             // RETURNING gives no order; publish oldest first.
@@ -87,67 +117,177 @@ fn claim(batch_size: usize) -> Result<Option<Vec<OutboxEvent>>, String> {
             Ok(Some(events))
         })
     })
-    .and_then(|r| r.map_err(|e| e.to_string()))
 }
 
-/// Marks `published` rows published and returns every `(ids, error)` group to pending.
-fn settle(published: Vec<i64>, released: BTreeMap<String, Vec<i64>>) -> Result<(), String> {
-    txn::run(move || -> Result<(), pgrx::spi::Error> {
-        if !published.is_empty() {
-            Spi::get_one_with_args::<i64>(MARK_PUBLISHED, &[published.into()])?;
+/// How a claimed batch is settled.
+#[derive(Default)]
+struct Settlement {
+    /// Redis stored these.
+    published: Vec<i64>,
+    /// Redis refused these because of the entries themselves, grouped by error.
+    rejected: BTreeMap<String, Vec<i64>>,
+    /// Redis failed as a whole for these, grouped by error: they go back as they were.
+    released: BTreeMap<String, Vec<i64>>,
+    /// Not sent in this round (see `split_runs`): they go back untouched, as if never claimed.
+    deferred: Vec<i64>,
+}
+
+/// Writes the batch's outcome in one transaction; returns how many rows were dead-lettered.
+fn settle(settlement: Settlement, settings: &TickSettings) -> Result<i64, String> {
+    let (max_attempts, retry_delay_ms) = (settings.max_attempts, settings.retry_delay_ms);
+    txn::run(move || -> Result<i64, pgrx::spi::Error> {
+        if !settlement.published.is_empty() {
+            Spi::get_one_with_args::<i64>(MARK_PUBLISHED, &[settlement.published.into()])?;
         }
-        for (error, ids) in released {
+        let mut dead_lettered = 0;
+        for (error, ids) in settlement.rejected {
+            dead_lettered += Spi::get_one_with_args::<i64>(
+                REJECT,
+                &[ids.into(), error.into(), max_attempts.into(), retry_delay_ms.into()],
+            )?
+            .unwrap_or(0);
+        }
+        for (error, ids) in settlement.released {
             Spi::get_one_with_args::<i64>(RELEASE, &[ids.into(), error.into()])?;
         }
-        Ok(())
+        if !settlement.deferred.is_empty() {
+            Spi::get_one_with_args::<i64>(UNCLAIM, &[settlement.deferred.into()])?;
+        }
+        Ok(dead_lettered)
     })
-    .and_then(|r| r.map_err(|e| e.to_string()))
 }
 
 /// One round: claim, publish, settle.
 pub fn tick(sink: &mut RedisSink, settings: &TickSettings) -> TickOutcome {
-    let events = match claim(settings.batch_size) {
+    let events = match claim(settings.batch_size, settings.in_order) {
         Err(error) => return TickOutcome::DatabaseError(error),
         Ok(None) => return TickOutcome::ExtensionMissing,
         Ok(Some(events)) if events.is_empty() => return TickOutcome::Idle,
         Ok(Some(events)) => events,
     };
     let claimed = events.len();
+    let mut settlement = Settlement::default();
+    let events = if settings.in_order {
+        let (sent, deferred) = split_runs(events, &settings.stream_template);
+        settlement.deferred = deferred;
+        sent
+    } else {
+        events
+    };
 
-    let mut published = Vec::with_capacity(claimed);
-    let mut released: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    let mut rejected = 0;
     let mut broker_error = None;
+    let mut last_rejection = None;
     match sink.publish(&events, &settings.stream_template, settings.stream_maxlen) {
         Ok(outcomes) => {
             for (event, outcome) in events.iter().zip(outcomes) {
                 match outcome {
-                    EntryOutcome::Published => published.push(event.id),
+                    EntryOutcome::Published => settlement.published.push(event.id),
                     EntryOutcome::Rejected(error) => {
-                        rejected += 1;
-                        released.entry(error).or_default().push(event.id);
+                        last_rejection = Some(error.clone());
+                        settlement.rejected.entry(error).or_default().push(event.id);
                     }
                     EntryOutcome::BrokerRefused(error) => {
-                        released.entry(error.clone()).or_default().push(event.id);
-                        broker_error.get_or_insert(BrokerError(error));
+                        broker_error.get_or_insert_with(|| BrokerError(error.clone()));
+                        settlement.released.entry(error).or_default().push(event.id);
                     }
                 }
             }
         }
         Err(error) => {
-            released.insert(error.0.clone(), events.iter().map(|event| event.id).collect());
+            settlement.released.insert(error.0.clone(), events.iter().map(|event| event.id).collect());
             broker_error = Some(error);
         }
     }
 
-    let published_count = published.len();
+    if settings.fault == FaultInjection::CrashAfterPublish && !settlement.published.is_empty() {
+        crash_after_publish(settlement.published.len());
+    }
+
+    let published = settlement.published.len();
+    let rejected = settlement.rejected.values().map(Vec::len).sum();
     // If settling fails the rows stay `publishing` until their lease expires and are then
     // published again: a duplicate, never a loss.
-    if let Err(error) = settle(published, released) {
-        return TickOutcome::DatabaseError(error);
-    }
+    let dead_lettered = match settle(settlement, settings) {
+        Ok(dead_lettered) => dead_lettered,
+        Err(error) => return TickOutcome::DatabaseError(error),
+    };
     match broker_error {
-        Some(error) => TickOutcome::BrokerDown { error, published: published_count },
-        None => TickOutcome::Worked { claimed, published: published_count, rejected },
+        Some(error) => TickOutcome::BrokerDown { error, published },
+        None => TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection },
+    }
+}
+
+/// In per-aggregate order, a batch may hold several consecutive events of one aggregate. Redis
+/// rejects an entry because of its stream key (e.g. WRONGTYPE), so events to the same key share
+/// their fate: if the first is rejected, so are the later ones, and order holds. An event bound for
+/// a *different* key than its aggregate's earlier events in the batch could succeed where they
+/// fail, so it and the rest of its aggregate's run wait for the next round. Events are in id order,
+/// which within an aggregate is `aggregate_seq` order.
+pub fn split_runs(events: Vec<OutboxEvent>, stream_template: &str) -> (Vec<OutboxEvent>, Vec<i64>) {
+    let mut run_key: HashMap<(String, String), Option<String>> = HashMap::new();
+    let mut sent = Vec::with_capacity(events.len());
+    let mut deferred = Vec::new();
+    for event in events {
+        let key = event.stream_key(stream_template);
+        let slot =
+            run_key.entry((event.aggregate_type.clone(), event.aggregate_id.clone())).or_insert(Some(key.clone()));
+        if slot.as_deref() == Some(key.as_str()) {
+            sent.push(event);
+        } else {
+            // Once a run is cut, every later event of the aggregate waits too.
+            *slot = None;
+            deferred.push(event.id);
+        }
+    }
+    (sent, deferred)
+}
+
+/// `outbox.fault_injection = crash_after_publish`: exit between a successful XADD and the mark, as
+/// a crash would, once per arming (setting it to `none` re-arms it). The launcher starts a new
+/// relay, which returns the claims of this one to pending and publishes them again.
+fn crash_after_publish(published: usize) {
+    if shmem::fault_fired() {
+        return;
+    }
+    shmem::set_fault_fired(true);
+    log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before marking them published");
+    // SAFETY: ends the process the way PostgreSQL expects; the claim transaction was committed.
+    unsafe { pg_sys::proc_exit(1) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_runs;
+    use crate::entry::OutboxEvent;
+
+    fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
+        OutboxEvent {
+            id,
+            event_id: format!("e{id}"),
+            aggregate_type: "acct".into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_seq: id,
+            event_type: "t".into(),
+            payload: "{}".into(),
+            headers: None,
+            stream: stream.map(str::to_string),
+            created_at: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_run_is_cut_where_its_stream_key_changes() {
+        let events = vec![
+            event(1, "a", None),
+            event(2, "b", Some("other")),
+            event(3, "a", None),
+            event(4, "a", Some("elsewhere")),
+            event(5, "a", None),
+            event(6, "b", Some("other")),
+        ];
+        let (sent, deferred) = split_runs(events, "outbox:{aggregate_type}");
+        assert_eq!(sent.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3, 6]);
+        // Event 5 goes to the run's key again, but after a cut its aggregate waits.
+        assert_eq!(deferred, [4, 5]);
     }
 }

@@ -7,9 +7,10 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::panic::CaughtError;
 use pgrx::PgTryBuilder;
 
-/// Runs `body` in its own transaction and commits it. On any error (raised by `body` or by the
-/// commit) the transaction is rolled back and the error's message returned.
-pub fn run<R>(body: impl FnOnce() -> R + UnwindSafe) -> Result<R, String> {
+/// Runs `body` in its own transaction and commits it when it returns `Ok`. When it returns `Err`,
+/// or raises an error (itself or at commit), the transaction is rolled back and the error's
+/// message returned, so a failed step never leaves half its work committed.
+pub fn run<R, E: std::fmt::Display>(body: impl FnOnce() -> Result<R, E> + UnwindSafe) -> Result<R, String> {
     // SAFETY: called from the worker's main loop, outside any transaction.
     unsafe {
         pg_sys::SetCurrentStatementStartTimestamp();
@@ -17,7 +18,7 @@ pub fn run<R>(body: impl FnOnce() -> R + UnwindSafe) -> Result<R, String> {
         pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot());
     }
     let result = PgTryBuilder::new(move || {
-        let value = body();
+        let value = body().map_err(|error| error.to_string())?;
         // SAFETY: balanced with the push above; the commit may raise, which is caught below.
         unsafe {
             pg_sys::PopActiveSnapshot();
@@ -28,8 +29,8 @@ pub fn run<R>(body: impl FnOnce() -> R + UnwindSafe) -> Result<R, String> {
     .catch_others(|caught| Err(message_of(&caught)))
     .execute();
     if result.is_err() {
-        // SAFETY: the error was caught and its state flushed; aborting cleans up snapshots, SPI,
-        // locks and memory of the failed transaction.
+        // SAFETY: any raised error was caught and its state flushed; aborting cleans up snapshots,
+        // SPI, locks and memory of the failed transaction.
         unsafe { pg_sys::AbortCurrentTransaction() };
     }
     result

@@ -1,0 +1,360 @@
+//! Operating the relay against a real PostgreSQL and a real redis-server: per-aggregate order under
+//! concurrency and failures, the lease reaper and crash recovery, dead letters, retention, the
+//! health view and the age alert.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::{status_counts, wait_for, Env, DEADLINE};
+
+fn count(client: &mut postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).unwrap().get(0)
+}
+
+/// Checks that, in every stream, each aggregate's events (first occurrence of each event_id)
+/// carry aggregate_seq 1, 2, 3, ... in stream order. Returns the event ids seen.
+fn assert_per_aggregate_order(entries_by_stream: &HashMap<String, Vec<HashMap<String, String>>>) -> HashSet<String> {
+    let mut seen = HashSet::new();
+    let mut next_seq: HashMap<(String, String), i64> = HashMap::new();
+    for (stream, entries) in entries_by_stream {
+        for entry in entries {
+            if !seen.insert(entry["event_id"].clone()) {
+                continue; // an at-least-once duplicate
+            }
+            let key = (entry["aggregate_type"].clone(), entry["aggregate_id"].clone());
+            let expected = next_seq.entry(key.clone()).or_insert(1);
+            let seq: i64 = entry["aggregate_seq"].parse().unwrap();
+            assert_eq!(seq, *expected, "stream {stream}: aggregate {key:?} out of order");
+            *expected += 1;
+        }
+    }
+    seen
+}
+
+#[test]
+fn per_aggregate_order_holds_with_concurrent_producers_relays_and_rejections() {
+    let env = Env::start(&["outbox.retry_delay = '20ms'", "outbox.max_attempts = 1000", "outbox.batch_size = 16"]);
+    // Two aggregates publish to streams whose keys hold strings: Redis rejects them (WRONGTYPE)
+    // until the keys are deleted below.
+    let mut redis = env.redis.connection();
+    for k in 0..2 {
+        redis::cmd("SET").arg(format!("poison:{k}")).arg("x").query::<()>(&mut redis).unwrap();
+    }
+
+    // A second relay outside the server, claiming through the same SQL (SKIP LOCKED) concurrently.
+    let stop = Arc::new(AtomicBool::new(false));
+    let external = {
+        let stop = stop.clone();
+        let mut pg = env.pg.connect();
+        let mut redis = env.redis.connection();
+        std::thread::spawn(move || {
+            let mut published = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let rows = pg
+                    .query(
+                        "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq::text,
+                                coalesce(stream, 'outbox:' || aggregate_type)
+                           FROM outbox._claim_batch(8, true) ORDER BY id",
+                        &[],
+                    )
+                    .unwrap();
+                if rows.is_empty() {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                    continue;
+                }
+                for row in rows {
+                    let id: i64 = row.get(0);
+                    let stream: String = row.get(5);
+                    let added: redis::RedisResult<String> = redis::cmd("XADD")
+                        .arg(&stream)
+                        .arg("*")
+                        .arg("event_id")
+                        .arg(row.get::<_, String>(1))
+                        .arg("aggregate_type")
+                        .arg(row.get::<_, String>(2))
+                        .arg("aggregate_id")
+                        .arg(row.get::<_, String>(3))
+                        .arg("aggregate_seq")
+                        .arg(row.get::<_, String>(4))
+                        .query(&mut redis);
+                    match added {
+                        Ok(_) => {
+                            pg.execute("SELECT outbox._mark_published(ARRAY[$1::bigint])", &[&id]).unwrap();
+                            published += 1;
+                        }
+                        Err(e) => {
+                            pg.execute(
+                                "SELECT outbox._reject(ARRAY[$1::bigint], $2, 1000, 20)",
+                                &[&id, &e.to_string()],
+                            )
+                            .unwrap();
+                        }
+                    }
+                }
+            }
+            published
+        })
+    };
+
+    let producers: Vec<_> = (0..4)
+        .map(|p| {
+            let mut client = env.pg.connect();
+            std::thread::spawn(move || {
+                let mut ids = Vec::new();
+                for i in 0..150 {
+                    let aggregate = (i * 7 + p * 3) % 20;
+                    let stream = if aggregate < 2 { Some(format!("poison:{aggregate}")) } else { None };
+                    let id: String = client
+                        .query_one(
+                            "SELECT outbox_enqueue('acct', $1, 'acct.changed', '{}', NULL, $2)::text",
+                            &[&aggregate.to_string(), &stream],
+                        )
+                        .unwrap()
+                        .get(0);
+                    ids.push(id);
+                }
+                ids
+            })
+        })
+        .collect();
+    let committed: Vec<String> = producers.into_iter().flat_map(|h| h.join().unwrap()).collect();
+
+    let mut client = env.pg.connect();
+    wait_for(DEADLINE, "rejections on both poisoned aggregates", || {
+        (count(&mut client, "SELECT count(DISTINCT aggregate_id) FROM outbox.messages WHERE rejections > 0") >= 2)
+            .then_some(())
+    });
+    // While the head of an aggregate is rejected, its later events wait.
+    let overtaken = count(
+        &mut client,
+        "SELECT count(*) FROM outbox.messages later JOIN outbox.messages earlier
+             ON earlier.aggregate_type = later.aggregate_type AND earlier.aggregate_id = later.aggregate_id
+            AND earlier.aggregate_seq < later.aggregate_seq
+          WHERE later.status = 'published' AND earlier.status <> 'published'",
+    );
+    assert_eq!(overtaken, 0, "a later event was published before an earlier one");
+    for k in 0..2 {
+        redis::cmd("DEL").arg(format!("poison:{k}")).query::<()>(&mut redis).unwrap();
+    }
+    wait_for(DEADLINE, "every event published", || {
+        (status_counts(&mut client).get("published").copied() == Some(600)).then_some(())
+    });
+    stop.store(true, Ordering::SeqCst);
+    let externally = external.join().unwrap();
+
+    let mut by_stream = HashMap::new();
+    for stream in ["outbox:acct", "poison:0", "poison:1"] {
+        by_stream.insert(stream.to_string(), env.redis.entries(stream));
+    }
+    let seen = assert_per_aggregate_order(&by_stream);
+    for id in &committed {
+        assert!(seen.contains(id), "event {id} was never delivered");
+    }
+    assert_eq!(seen.len(), 600);
+    eprintln!("external relay published {externally} of 600 events");
+}
+
+#[test]
+fn crash_between_publish_and_mark_redelivers_with_the_same_event_id() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    let first_relay = env.pg.relay_pid(&mut client);
+    env.pg.set(&mut client, &[("outbox.fault_injection", "crash_after_publish")]);
+    let mut committed = Vec::new();
+    wait_for(DEADLINE, "the relay to crash after publishing", || {
+        let id: String = client.query_one("SELECT outbox_enqueue('crash', 1, 'e', '{}')::text", &[]).unwrap().get(0);
+        committed.push(id);
+        env.pg.log().contains("crash_after_publish: exiting after publishing").then_some(())
+    });
+    let total = committed.len() as i64;
+    wait_for(DEADLINE, "every event published after the restart", || {
+        (status_counts(&mut client).get("published").copied() == Some(total)).then_some(())
+    });
+    let second_relay = env.pg.relay_pid(&mut client);
+    assert_ne!(first_relay, second_relay);
+    let entries = env.redis.entries("outbox:crash");
+    let mut times_seen: HashMap<String, usize> = HashMap::new();
+    for entry in &entries {
+        *times_seen.entry(entry["event_id"].clone()).or_default() += 1;
+    }
+    for id in &committed {
+        assert!(times_seen.contains_key(id), "lost {id}");
+    }
+    assert!(times_seen.values().any(|&n| n >= 2), "the crash must produce a duplicate: {times_seen:?}");
+    assert!(env.pg.log().contains("returned"), "the new relay returned the dead relay's claims");
+    // It fired once: later events are delivered once.
+    let id: String = client.query_one("SELECT outbox_enqueue('crash', 2, 'e', '{}')::text", &[]).unwrap().get(0);
+    let entries = env.redis.wait_for_entries("outbox:crash", entries.len() + 1);
+    assert_eq!(entries.iter().filter(|e| e["event_id"] == id).count(), 1);
+}
+
+#[test]
+fn poison_event_is_dead_lettered_without_holding_up_others_and_can_be_retried() {
+    let env = Env::start(&["outbox.max_attempts = 3", "outbox.retry_delay = '10ms'", "outbox.poll_interval = '50ms'"]);
+    let mut redis = env.redis.connection();
+    redis::cmd("SET").arg("poisoned").arg("not a stream").query::<()>(&mut redis).unwrap();
+    let mut client = env.pg.connect();
+    client
+        .batch_execute(
+            "SELECT outbox_enqueue('good', i, 'e', '{}') FROM generate_series(1, 5) i;
+             SELECT outbox_enqueue('bad', 1, 'e', '{}', NULL, 'poisoned');
+             SELECT outbox_enqueue('bad', 1, 'e2', '{}');
+             SELECT outbox_enqueue('good', i, 'e', '{}') FROM generate_series(6, 10) i;",
+        )
+        .unwrap();
+    env.redis.wait_for_entries("outbox:good", 10);
+    wait_for(DEADLINE, "the poison event to be dead-lettered", || {
+        let row = client
+            .query_one(
+                "SELECT status, rejections, failed_at IS NOT NULL, coalesce(last_error, '') FROM outbox.messages
+                  WHERE stream = 'poisoned'",
+                &[],
+            )
+            .unwrap();
+        (row.get::<_, String>(0) == "failed").then(|| {
+            assert_eq!(row.get::<_, i32>(1), 3);
+            assert!(row.get::<_, bool>(2));
+            assert!(row.get::<_, String>(3).contains("WRONGTYPE"));
+        })
+    });
+    // Its aggregate's next event waits behind it; everyone else went through.
+    let waiting: String =
+        client.query_one("SELECT status FROM outbox.messages WHERE event_type = 'e2'", &[]).unwrap().get(0);
+    assert_eq!(waiting, "pending");
+    assert_eq!(env.redis.xlen("outbox:bad"), 0);
+    wait_for(DEADLINE, "the dead-letter WARNING", || {
+        env.pg.log().contains("reached outbox.max_attempts").then_some(())
+    });
+    let failed: i64 = count(&mut client, "SELECT failed FROM outbox.stats");
+    assert_eq!(failed, 1);
+
+    redis::cmd("DEL").arg("poisoned").query::<()>(&mut redis).unwrap();
+    assert_eq!(count(&mut client, "SELECT outbox.retry_failed()"), 1);
+    env.redis.wait_for_entries("poisoned", 1);
+    let entries = env.redis.wait_for_entries("outbox:bad", 1);
+    assert_eq!(entries[0]["aggregate_seq"], "2");
+    wait_for(DEADLINE, "everything published", || {
+        (status_counts(&mut client).get("published").copied() == Some(12)).then_some(())
+    });
+}
+
+#[test]
+fn a_redis_outage_never_dead_letters_anything() {
+    let mut env = Env::start(&["outbox.max_attempts = 2", "outbox.retry_delay = '10ms'"]);
+    let mut client = env.pg.connect();
+    env.redis.kill();
+    client.batch_execute("SELECT outbox_enqueue('outage', i, 'e', '{}') FROM generate_series(1, 10) i").unwrap();
+    // Many more failed rounds than max_attempts.
+    wait_for(DEADLINE, "five failed rounds", || {
+        (count(&mut client, "SELECT min(attempts)::bigint FROM outbox.messages") >= 5).then_some(())
+    });
+    assert_eq!(count(&mut client, "SELECT count(*) FROM outbox.messages WHERE status = 'failed' OR rejections > 0"), 0);
+    let last_error: Option<String> = client.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+    assert!(last_error.is_some_and(|e| !e.is_empty()));
+    assert!(!client.query_one("SELECT redis_connected FROM outbox.stats", &[]).unwrap().get::<_, bool>(0));
+    env.redis.restart();
+    env.redis.wait_for_entries("outbox:outage", 10);
+    wait_for(DEADLINE, "all published", || {
+        (status_counts(&mut client).get("published").copied() == Some(10)).then_some(())
+    });
+}
+
+#[test]
+fn a_hung_claim_is_returned_when_its_lease_expires() {
+    let env = Env::start(&["outbox.lease = '1s'", "outbox.enabled = off"]);
+    let mut client = env.pg.connect();
+    client.batch_execute("SELECT outbox_enqueue('lease', i, 'e', '{}') FROM generate_series(1, 3) i").unwrap();
+    // A claimer that stays connected but never settles, like a hung relay.
+    let mut hung = env.pg.connect();
+    assert_eq!(count(&mut hung, "SELECT count(*) FROM outbox._claim_batch(3, true)"), 3);
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    env.redis.wait_for_entries("outbox:lease", 3);
+    let error: String = client
+        .query_one("SELECT last_error FROM outbox.messages LIMIT 1", &[])
+        .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default())
+        .unwrap();
+    assert!(error.is_empty(), "published rows carry no error: {error}");
+    assert!(env.pg.log().contains("returned 3 claimed events to pending"));
+    drop(hung);
+}
+
+#[test]
+fn retention_removes_old_published_rows_and_keeps_failed_and_pending() {
+    let env = Env::start(&[
+        "outbox.retention = '1s'",
+        "outbox.max_attempts = 1",
+        "outbox.retry_delay = '10ms'",
+        "outbox.poll_interval = '100ms'",
+    ]);
+    let mut redis = env.redis.connection();
+    redis::cmd("SET").arg("poisoned").arg("x").query::<()>(&mut redis).unwrap();
+    let mut client = env.pg.connect();
+    client
+        .batch_execute(
+            "SELECT outbox_enqueue('kept', 1, 'e', '{}', NULL, 'poisoned');
+             SELECT outbox_enqueue('kept', 1, 'e2', '{}');
+             SELECT outbox_enqueue('gone', i, 'e', '{}') FROM generate_series(1, 2500) i;",
+        )
+        .unwrap();
+    env.redis.wait_for_entries("outbox:gone", 2500);
+    wait_for(DEADLINE, "retention to delete the published rows", || {
+        let counts = status_counts(&mut client);
+        (!counts.contains_key("published") && counts.get("failed") == Some(&1)).then_some(counts)
+    });
+    let counts = status_counts(&mut client);
+    assert_eq!(counts.get("pending"), Some(&1), "{counts:?}");
+    assert_eq!(env.redis.xlen("outbox:gone"), 2500, "retention never touches Redis");
+    // The sequence numbering survives retention.
+    redis::cmd("DEL").arg("poisoned").query::<()>(&mut redis).unwrap();
+    client.batch_execute("SELECT outbox.retry_failed()").unwrap();
+    client.batch_execute("SELECT outbox_enqueue('gone', 1, 'e', '{}')").unwrap();
+    let entries = env.redis.wait_for_entries("outbox:gone", 2501);
+    assert_eq!(entries.last().unwrap()["aggregate_seq"], "2");
+}
+
+#[test]
+fn stats_and_the_age_alert_tell_a_stalled_relay_at_a_glance() {
+    let env = Env::start(&["outbox.alert_age = '1s'", "outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    client.batch_execute("SELECT outbox_enqueue('stats', 1, 'e', '{}')").unwrap();
+    env.redis.wait_for_entries("outbox:stats", 1);
+    wait_for(DEADLINE, "stats to show a healthy relay", || {
+        let row = client
+            .query_one(
+                "SELECT pending, worker_pid IS NOT NULL, redis_connected, last_published_at IS NOT NULL,
+                        oldest_pending_age IS NULL FROM outbox.stats",
+                &[],
+            )
+            .unwrap();
+        (row.get::<_, i64>(0) == 0
+            && row.get::<_, bool>(1)
+            && row.get::<_, bool>(2)
+            && row.get::<_, bool>(3)
+            && row.get::<_, bool>(4))
+        .then_some(())
+    });
+
+    env.pg.set(&mut client, &[("outbox.enabled", "off")]);
+    wait_for(DEADLINE, "the relay to pause", || env.pg.log().contains("outbox.enabled is off").then_some(()));
+    client.batch_execute("SELECT outbox_enqueue('stats', 2, 'e', '{}')").unwrap();
+    wait_for(DEADLINE, "the age WARNING", || {
+        env.pg
+            .log()
+            .lines()
+            .find(|l| l.contains("WARNING") && l.contains("oldest pending event is"))
+            .map(str::to_string)
+    });
+    let age_ms: f64 = client
+        .query_one("SELECT (extract(epoch FROM oldest_pending_age) * 1000)::float8 FROM outbox.stats", &[])
+        .unwrap()
+        .get(0);
+    assert!(age_ms >= 1000.0);
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    env.redis.wait_for_entries("outbox:stats", 2);
+    wait_for(DEADLINE, "the alert to clear", || env.pg.log().contains("alert cleared").then_some(()));
+    let warnings = env.pg.log().matches("oldest pending event is").count();
+    assert!(warnings >= 2, "one WARNING and one recovery line");
+}
