@@ -58,20 +58,21 @@ mod outbox {
         'static,
         (
             name!(worker_pid, Option<i32>),
+            name!(workers, i32),
             name!(redis_connected, bool),
             name!(last_error, Option<String>),
             name!(last_error_at, Option<TimestampWithTimeZone>),
         ),
     > {
-        let (pid, connected, error) = if crate::preloaded() {
-            (shmem::relay_pid(), shmem::redis_connected(), shmem::last_error())
+        let (pid, workers, connected, error) = if crate::preloaded() {
+            (shmem::relay_pid(), shmem::relays_running(), shmem::redis_connected(), shmem::last_error())
         } else {
-            (None, false, None)
+            (None, 0, false, None)
         };
         let (message, at) = match error {
             Some((message, at)) => (Some(message), TimestampWithTimeZone::try_from(at).ok()),
             None => (None, None),
         };
-        TableIterator::once((pid, connected, message, at))
+        TableIterator::once((pid, workers, connected, message, at))
     }
 }

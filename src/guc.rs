@@ -25,6 +25,10 @@ static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
 /// `outbox.database` (default `postgres`, restart): the database whose outbox the relay drains.
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
+/// `outbox.workers` (default 1, reload): relay workers sharing the load. Per-aggregate order holds
+/// across them (ordered claims); each commit wakes them all.
+static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
+
 /// `outbox.batch_size` (default 100, reload): rows claimed and pipelined to Redis per round trip.
 static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 
@@ -139,6 +143,16 @@ pub fn init(preloading: bool) {
             GucFlags::empty(),
         );
     }
+    GucRegistry::define_int_guc(
+        c"outbox.workers",
+        c"Number of relay workers sharing the load.",
+        c"Each needs a slot in max_worker_processes. Per-aggregate order holds across them.",
+        &WORKERS,
+        1,
+        crate::shmem::MAX_RELAYS as i32,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
     GucRegistry::define_int_guc(
         c"outbox.batch_size",
         c"Events claimed and pipelined to Redis per round trip.",
@@ -284,6 +298,10 @@ pub fn redis_timeout() -> Duration {
 
 pub fn database() -> String {
     string_of(&DATABASE)
+}
+
+pub fn workers() -> usize {
+    WORKERS.get().clamp(1, crate::shmem::MAX_RELAYS as i32) as usize
 }
 
 pub fn batch_size() -> usize {

@@ -6,14 +6,17 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicUsize, Ordering}
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 
-/// The relay's shared state. Plain atomics: it is read on every commit that enqueued, so it must
+/// Most relays `outbox.workers` may ask for.
+pub const MAX_RELAYS: usize = 16;
+
+/// The relays' shared state. Plain atomics: it is read on every commit that enqueued, so it must
 /// never take a lock.
 #[derive(Default)]
 pub struct RelayShared {
-    /// Address of the relay's `PGPROC` (which lives in shared memory), 0 while no relay runs.
-    relay_proc: AtomicUsize,
-    /// Process id of the relay, 0 while none runs.
-    relay_pid: AtomicI32,
+    /// Address of each relay's `PGPROC` (which lives in shared memory) by slot, 0 while none runs.
+    relay_proc: [AtomicUsize; MAX_RELAYS],
+    /// Process id of each relay by slot, 0 while none runs.
+    relay_pid: [AtomicI32; MAX_RELAYS],
     /// Whether the relay's last contact with Redis succeeded.
     redis_connected: AtomicBool,
     /// When `LAST_ERROR` was set (PostgreSQL timestamp, microseconds since 2000), 0 if never.
@@ -87,44 +90,58 @@ pub fn set_fault_fired(fired: bool) {
     RELAY.get().fault_fired.store(fired, Ordering::SeqCst);
 }
 
-/// Called by the relay once it runs: from now on commits wake it.
-pub fn register_relay() {
+/// Called by the relay in `slot` once it runs: from now on commits wake it.
+pub fn register_relay(slot: usize) {
     // SAFETY: MyProc is this process's PGPROC, set up before a worker's main function runs.
     let proc = unsafe { pg_sys::MyProc } as usize;
     // SAFETY: MyProcPid is set for every backend.
     let pid = unsafe { pg_sys::MyProcPid };
-    RELAY.get().relay_pid.store(pid, Ordering::SeqCst);
-    RELAY.get().relay_proc.store(proc, Ordering::SeqCst);
+    RELAY.get().relay_pid[slot].store(pid, Ordering::SeqCst);
+    RELAY.get().relay_proc[slot].store(proc, Ordering::SeqCst);
 }
 
-/// Called by the relay when it stops.
-pub fn unregister_relay() {
-    RELAY.get().relay_proc.store(0, Ordering::SeqCst);
-    RELAY.get().relay_pid.store(0, Ordering::SeqCst);
-    RELAY.get().redis_connected.store(false, Ordering::SeqCst);
+/// Called by the relay in `slot` when it stops.
+pub fn unregister_relay(slot: usize) {
+    RELAY.get().relay_proc[slot].store(0, Ordering::SeqCst);
+    RELAY.get().relay_pid[slot].store(0, Ordering::SeqCst);
+    if slot == 0 {
+        RELAY.get().redis_connected.store(false, Ordering::SeqCst);
+    }
 }
 
 pub fn set_redis_connected(connected: bool) {
     RELAY.get().redis_connected.store(connected, Ordering::Relaxed);
 }
 
-/// Process id of the running relay, if any.
+/// Process id of the relay in `slot`, if one runs there.
+pub fn relay_pid_in(slot: usize) -> Option<i32> {
+    Some(RELAY.get().relay_pid[slot].load(Ordering::SeqCst)).filter(|&pid| pid != 0)
+}
+
+/// Process id of the first running relay, if any.
 pub fn relay_pid() -> Option<i32> {
-    Some(RELAY.get().relay_pid.load(Ordering::SeqCst)).filter(|&pid| pid != 0)
+    (0..MAX_RELAYS).find_map(relay_pid_in)
+}
+
+/// How many relays are running.
+pub fn relays_running() -> i32 {
+    (0..MAX_RELAYS).filter(|&slot| relay_pid_in(slot).is_some()).count() as i32
 }
 
 pub fn redis_connected() -> bool {
     RELAY.get().redis_connected.load(Ordering::Relaxed)
 }
 
-/// Sets the relay's latch. Safe to call from a commit callback: no lock, no allocation, no error.
-/// If the relay exited and another process now uses that PGPROC, that process sees a spurious
-/// latch wake-up, which every latch user must tolerate anyway.
-pub fn wake_relay() {
-    let proc = RELAY.get().relay_proc.load(Ordering::SeqCst) as *mut pg_sys::PGPROC;
-    if !proc.is_null() {
-        // SAFETY: PGPROCs live in shared memory for the life of the cluster; the pointer was
-        // published by the relay itself and stays a valid PGPROC even after the relay exits.
-        unsafe { pg_sys::SetLatch(&raw mut (*proc).procLatch) };
+/// Sets every running relay's latch. Safe to call from a commit callback: no lock, no allocation,
+/// no error. If a relay exited and another process now uses that PGPROC, that process sees a
+/// spurious latch wake-up, which every latch user must tolerate anyway.
+pub fn wake_relays() {
+    for slot in &RELAY.get().relay_proc {
+        let proc = slot.load(Ordering::SeqCst) as *mut pg_sys::PGPROC;
+        if !proc.is_null() {
+            // SAFETY: PGPROCs live in shared memory for the life of the cluster; the pointer was
+            // published by a relay itself and stays a valid PGPROC even after that relay exits.
+            unsafe { pg_sys::SetLatch(&raw mut (*proc).procLatch) };
+        }
     }
 }

@@ -32,7 +32,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT
             if ENQUEUED_IN_XACT.with(|armed| armed.replace(false)) =>
         {
-            shmem::wake_relay()
+            shmem::wake_relays()
         }
         // A prepared transaction commits later, possibly in another session that wakes nobody:
         // the poll interval delivers those events.

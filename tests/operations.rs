@@ -358,3 +358,49 @@ fn stats_and_the_age_alert_tell_a_stalled_relay_at_a_glance() {
     let warnings = env.pg.log().matches("oldest pending event is").count();
     assert!(warnings >= 2, "one WARNING and one recovery line");
 }
+
+#[test]
+fn several_workers_share_the_load_and_keep_per_aggregate_order() {
+    let env = Env::start(&["outbox.workers = 3", "outbox.batch_size = 20"]);
+    let mut client = env.pg.connect();
+    wait_for(DEADLINE, "three relays", || {
+        (count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'") == 3)
+            .then_some(())
+    });
+    let producers: Vec<_> = (0..4)
+        .map(|p| {
+            let mut client = env.pg.connect();
+            std::thread::spawn(move || {
+                (0..500)
+                    .map(|i| {
+                        client
+                            .query_one(
+                                "SELECT outbox_enqueue('multi', $1, 'e', '{}')::text",
+                                &[&((i * 13 + p * 7) % 50).to_string()],
+                            )
+                            .unwrap()
+                            .get::<_, String>(0)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let committed: Vec<String> = producers.into_iter().flat_map(|h| h.join().unwrap()).collect();
+    wait_for(DEADLINE, "every event published", || {
+        (status_counts(&mut client).get("published").copied() == Some(2000)).then_some(())
+    });
+    let by_stream = HashMap::from([("outbox:multi".to_string(), env.redis.entries("outbox:multi"))]);
+    let seen = assert_per_aggregate_order(&by_stream);
+    assert!(committed.iter().all(|id| seen.contains(id)));
+    let workers: i32 = client.query_one("SELECT workers FROM outbox.stats", &[]).unwrap().get(0);
+    assert_eq!(workers, 3);
+
+    // Lowering outbox.workers on reload stops the extra relays.
+    env.pg.set(&mut client, &[("outbox.workers", "1")]);
+    wait_for(DEADLINE, "one relay", || {
+        (count(&mut client, "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'") == 1)
+            .then_some(())
+    });
+    client.batch_execute("SELECT outbox_enqueue('multi', 'after', 'e', '{}')").unwrap();
+    env.redis.wait_for_entries("outbox:multi", 2001);
+}

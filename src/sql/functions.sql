@@ -134,6 +134,65 @@ AS $fn$ SELECT @extschema@.outbox_enqueue($1, $2::text, $3, $4, $5, $6) $fn$;
 COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) IS
     'outbox_enqueue for a uuid aggregate id (stored as its text form)';
 
+-- Consumer-side deduplication: true the first time a consumer processes an event, false on a
+-- repeat. Call it in the consumer's own transaction together with the effect, so that the mark and
+-- the effect commit (or roll back) together.
+CREATE FUNCTION @extschema@.outbox_mark_processed(consumer text, event_id uuid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    first_time boolean;
+BEGIN
+    IF outbox_mark_processed.consumer IS NULL OR outbox_mark_processed.consumer = '' THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer must be a non-empty name, got %',
+                coalesce(quote_literal(outbox_mark_processed.consumer), 'NULL')
+            USING ERRCODE = CASE WHEN outbox_mark_processed.consumer IS NULL THEN 'null_value_not_allowed'
+                                 ELSE 'invalid_parameter_value' END,
+                  HINT = 'Name the consuming service, e.g. ''notifications''; each consumer deduplicates on its own.';
+    END IF;
+    IF outbox_mark_processed.event_id IS NULL THEN
+        RAISE EXCEPTION 'outbox_mark_processed: event_id must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the entry''s event_id field, e.g. outbox_mark_processed(''notifications'', ''…''::uuid).';
+    END IF;
+    INSERT INTO outbox.processed_messages AS p (consumer, event_id)
+    VALUES (outbox_mark_processed.consumer, outbox_mark_processed.event_id)
+    ON CONFLICT ON CONSTRAINT processed_messages_pkey DO NOTHING
+    RETURNING true INTO first_time;
+    RETURN coalesce(first_time, false);
+END
+$fn$;
+
+COMMENT ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) IS
+    'Consumer-side dedup: records that consumer processed event_id; true the first time, false on a repeat';
+
+-- Deletes processed-message marks older than older_than (for databases other than outbox.database,
+-- where the relay does not apply retention itself). Returns how many.
+CREATE FUNCTION outbox.purge_processed(older_than interval)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    purged bigint;
+BEGIN
+    IF older_than IS NULL OR older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox.purge_processed: older_than must be a non-negative interval, got %', coalesce(older_than::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass a window longer than redeliveries can take, e.g. ''7 days''.';
+    END IF;
+    DELETE FROM outbox.processed_messages p WHERE p.processed_at <= clock_timestamp() - older_than;
+    GET DIAGNOSTICS purged = ROW_COUNT;
+    RETURN purged;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.purge_processed(interval) IS
+    'Deletes consumer dedup marks older than older_than; returns how many';
+
 -- ---------------------------------------------------------------------------------------------
 -- The relay's statements. They are plain SQL so that they can be read, explained and tested from
 -- psql; the worker calls them through SPI. Not for applications: EXECUTE is revoked from PUBLIC.
@@ -393,7 +452,8 @@ $fn$;
 COMMENT ON FUNCTION outbox.purge(interval) IS
     'Deletes published and skipped events older than older_than (by published_at); returns how many';
 
--- The relay's retention step: one small batch of the oldest expired published rows.
+-- The relay's retention step: one small batch of the oldest expired published rows, and of the
+-- oldest expired consumer dedup marks.
 CREATE FUNCTION outbox._purge_batch(retention_s integer, batch_size integer)
 RETURNS bigint
 LANGUAGE sql VOLATILE
@@ -408,8 +468,18 @@ AS $fn$
          LIMIT batch_size
     ), purged AS (
         DELETE FROM outbox.messages m USING expired e WHERE m.id = e.id RETURNING 1
+    ), expired_marks AS (
+        SELECT p.consumer, p.event_id
+          FROM outbox.processed_messages p
+         WHERE p.processed_at < clock_timestamp() - retention_s * interval '1 second'
+         ORDER BY p.processed_at
+         LIMIT batch_size
+    ), purged_marks AS (
+        DELETE FROM outbox.processed_messages p USING expired_marks x
+         WHERE p.consumer = x.consumer AND p.event_id = x.event_id
+        RETURNING 1
     )
-    SELECT count(*) FROM purged
+    SELECT greatest((SELECT count(*) FROM purged), (SELECT count(*) FROM purged_marks))
 $fn$;
 
 COMMENT ON FUNCTION outbox._purge_batch(integer, integer) IS
@@ -444,6 +514,7 @@ SELECT
     (SELECT max(m.published_at) FROM outbox.messages m WHERE m.status IN ('published', 'skipped'))
                                                                             AS last_published_at,
     r.worker_pid,
+    r.workers,
     r.redis_connected,
     r.last_error,
     r.last_error_at
@@ -463,6 +534,10 @@ GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, js
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) TO outbox_writer;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) TO outbox_writer;
 REVOKE ALL ON FUNCTION outbox._prepare_enqueue() FROM PUBLIC;
+REVOKE ALL ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) TO outbox_consumer;
+REVOKE ALL ON FUNCTION outbox.purge_processed(interval) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.purge_processed(interval) TO outbox_admin;
 REVOKE ALL ON FUNCTION outbox._purge_batch(integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.retry_failed(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.skip_failed(bigint[]) FROM PUBLIC;

@@ -25,6 +25,10 @@ BEGIN
         CREATE ROLE outbox_writer NOLOGIN;
         COMMENT ON ROLE outbox_writer IS 'outbox_pg: may call outbox_enqueue; reads no outbox rows';
     END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_consumer') THEN
+        CREATE ROLE outbox_consumer NOLOGIN;
+        COMMENT ON ROLE outbox_consumer IS 'outbox_pg: may call outbox_mark_processed (consumer-side deduplication)';
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_admin') THEN
         CREATE ROLE outbox_admin NOLOGIN;
         COMMENT ON ROLE outbox_admin IS 'outbox_pg: reads outbox rows and stats, retries, skips and purges events';
@@ -88,6 +92,19 @@ COMMENT ON TABLE outbox.aggregates IS
 -- Only last_seq changes, which no index covers: every update can be HOT, in place on its page.
 ALTER TABLE outbox.aggregates SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
 
+-- Consumer-side deduplication for consumers that write to PostgreSQL: outbox_mark_processed()
+-- records (consumer, event_id) in the consumer's own transaction, together with its effect.
+CREATE TABLE outbox.processed_messages (
+    consumer     text        NOT NULL CHECK (consumer <> ''),
+    event_id     uuid        NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (consumer, event_id)
+);
+COMMENT ON TABLE outbox.processed_messages IS
+    'outbox_pg: events each consumer has processed (consumer-side deduplication); kept for outbox.retention';
+CREATE INDEX processed_messages_processed_at_idx ON outbox.processed_messages (processed_at);
+ALTER TABLE outbox.processed_messages SET (autovacuum_vacuum_scale_factor = 0.02);
+
 -- The worker's queries touch only the rows these partial indexes hold, so their cost does not grow
 -- with the number of published rows kept for retention.
 CREATE INDEX messages_pending_idx ON outbox.messages (id) WHERE status = 'pending';
@@ -112,9 +129,11 @@ ALTER TABLE outbox.messages SET (
 SELECT pg_catalog.pg_extension_config_dump('outbox.messages', 'WHERE status <> ''published''');
 SELECT pg_catalog.pg_extension_config_dump('outbox.messages_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.aggregates', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.processed_messages', '');
 
 -- Writers get nothing here: they enqueue through outbox_enqueue (SECURITY DEFINER) and cannot read
 -- other writers' payloads. Admins read and repair.
 GRANT USAGE ON SCHEMA outbox TO outbox_admin;
 GRANT SELECT, UPDATE, DELETE ON outbox.messages TO outbox_admin;
 GRANT SELECT ON outbox.aggregates TO outbox_admin;
+GRANT SELECT, DELETE ON outbox.processed_messages TO outbox_admin;

@@ -226,7 +226,7 @@ fn schema_is_registered_for_pg_dump_and_indexes_are_partial() {
     )
     .unwrap()
     .unwrap();
-    assert_eq!(dumped, "aggregates:,messages:WHERE status <> 'published',messages_id_seq:");
+    assert_eq!(dumped, "aggregates:,messages:WHERE status <> 'published',messages_id_seq:,processed_messages:");
     let logged = Spi::get_one::<String>("SELECT relpersistence::text FROM pg_class WHERE oid = 'outbox.messages'::regclass")
         .unwrap()
         .unwrap();
@@ -429,4 +429,26 @@ fn writers_enqueue_without_reading_and_only_admins_operate() {
     let (sqlstate, _) = error_of("SELECT count(*) FROM outbox._claim_batch(1, true)");
     assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
     Spi::run("RESET ROLE").unwrap();
+}
+
+#[pg_test]
+fn mark_processed_is_true_once_per_consumer_and_event() {
+    let id = "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'::uuid";
+    let mark = |consumer: &str| {
+        Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('{consumer}', {id})")).unwrap().unwrap()
+    };
+    assert!(mark("notifications"));
+    assert!(!mark("notifications"));
+    assert!(mark("billing"), "each consumer deduplicates on its own");
+    let (sqlstate, message) = error_of("SELECT outbox_mark_processed('', gen_random_uuid())");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    let (sqlstate, _) = error_of("SELECT outbox_mark_processed(NULL, gen_random_uuid())");
+    assert_eq!(sqlstate, "ERRCODE_NULL_VALUE_NOT_ALLOWED");
+    let (sqlstate, _) = error_of("SELECT outbox_mark_processed('x', NULL)");
+    assert_eq!(sqlstate, "ERRCODE_NULL_VALUE_NOT_ALLOWED");
+    Spi::run("UPDATE outbox.processed_messages SET processed_at = now() - interval '8 days' WHERE consumer = 'billing'")
+        .unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge_processed('7 days')").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(86400, 10)").unwrap(), Some(0));
+    assert!(!mark("notifications"));
 }

@@ -21,6 +21,15 @@ const DATABASE_RECHECK: Duration = Duration::from_secs(1);
 /// Longest sleep while the relay runs: its exit also wakes the launcher (bgw_notify_pid).
 const SUPERVISE_INTERVAL: Duration = Duration::from_secs(10);
 
+/// One relay slot as the launcher sees it.
+enum Slot {
+    /// Not running; may start at `not_before`.
+    Idle {
+        not_before: Instant,
+    },
+    Running(DynamicBackgroundWorker),
+}
+
 #[pg_guard]
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn outbox_pg_launcher_main(_arg: pg_sys::Datum) {
@@ -29,70 +38,86 @@ pub extern "C-unwind" fn outbox_pg_launcher_main(_arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi(None, None);
 
     let database = guc::database();
-    let mut relay: Option<DynamicBackgroundWorker> = None;
+    let mut slots: Vec<Slot> = (0..shmem::MAX_RELAYS).map(|_| Slot::Idle { not_before: Instant::now() }).collect();
     let mut reported_missing = false;
-    let mut not_before = Instant::now();
 
     loop {
         if BackgroundWorker::sighup_received() {
             // SAFETY: the documented way for a worker to re-read postgresql.conf after SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
         }
+        let wanted = guc::workers();
+        let mut timeout = SUPERVISE_INTERVAL;
+        let mut database_oid_checked = None;
 
-        let timeout = match &relay {
-            Some(handle) => match handle.pid() {
-                Ok(_) | Err(BackgroundWorkerStatus::NotYetStarted) => SUPERVISE_INTERVAL,
-                Err(BackgroundWorkerStatus::PostmasterDied) => break,
-                Err(_) => {
-                    relay = None;
-                    not_before = Instant::now() + RELAUNCH_DELAY;
-                    RELAUNCH_DELAY
+        for (index, slot) in slots.iter_mut().enumerate() {
+            // Notice exits (the postmaster wakes us through bgw_notify_pid).
+            if let Slot::Running(handle) = slot {
+                match handle.pid() {
+                    Ok(_) | Err(BackgroundWorkerStatus::NotYetStarted) => {}
+                    Err(BackgroundWorkerStatus::PostmasterDied) => return,
+                    Err(_) => *slot = Slot::Idle { not_before: Instant::now() + RELAUNCH_DELAY },
                 }
-            },
-            None if Instant::now() < not_before => not_before - Instant::now(),
-            // A relay left over from a previous launcher (which was terminated) still runs.
-            None if shmem::relay_pid().is_some_and(process_alive) => DATABASE_RECHECK,
-            None => match database_oid(&database) {
-                Some(oid) => {
+            }
+            match slot {
+                Slot::Running(_) if index >= wanted => {
+                    // outbox.workers was lowered.
+                    if let Slot::Running(handle) = std::mem::replace(slot, Slot::Idle { not_before: Instant::now() }) {
+                        let _ = handle.terminate().wait_for_shutdown();
+                    }
+                }
+                Slot::Idle { not_before } if index < wanted => {
+                    let now = Instant::now();
+                    if now < *not_before {
+                        timeout = timeout.min(*not_before - now);
+                        continue;
+                    }
+                    // A relay left over from a previous launcher (which was terminated) still runs.
+                    if shmem::relay_pid_in(index).is_some_and(process_alive) {
+                        timeout = timeout.min(DATABASE_RECHECK);
+                        continue;
+                    }
+                    let oid = *database_oid_checked.get_or_insert_with(|| database_oid(&database));
+                    let Some(oid) = oid else {
+                        if !reported_missing {
+                            log!(
+                                "outbox_pg: database \"{database}\" (outbox.database) does not exist; the relay starts when it is created"
+                            );
+                            reported_missing = true;
+                        }
+                        timeout = timeout.min(DATABASE_RECHECK);
+                        continue;
+                    };
                     if reported_missing {
                         log!("outbox_pg: database \"{database}\" exists now; starting the relay");
                         reported_missing = false;
                     }
-                    match start_relay(oid) {
-                        Some(handle) => {
-                            relay = Some(handle);
-                            SUPERVISE_INTERVAL
-                        }
+                    match start_relay(oid, index) {
+                        Some(handle) => *slot = Slot::Running(handle),
                         None => {
                             warning!(
-                                "outbox_pg: could not start the relay worker; retrying in {}s",
-                                RELAUNCH_DELAY.as_secs()
+                                "outbox_pg: could not start relay worker {index} (is max_worker_processes large enough?); retrying in {}s",
+                                (RELAUNCH_DELAY * 5).as_secs()
                             );
-                            not_before = Instant::now() + RELAUNCH_DELAY * 5;
-                            RELAUNCH_DELAY * 5
+                            *slot = Slot::Idle { not_before: Instant::now() + RELAUNCH_DELAY * 5 };
+                            timeout = timeout.min(RELAUNCH_DELAY * 5);
                         }
                     }
                 }
-                None => {
-                    if !reported_missing {
-                        log!(
-                            "outbox_pg: database \"{database}\" (outbox.database) does not exist; the relay starts when it is created"
-                        );
-                        reported_missing = true;
-                    }
-                    DATABASE_RECHECK
-                }
-            },
-        };
+                _ => {}
+            }
+        }
 
         if !BackgroundWorker::wait_latch(Some(timeout)) {
             break;
         }
     }
 
-    // Stop the relay with us, so that a restarted launcher never runs a second one beside it.
-    if let Some(handle) = relay {
-        let _ = handle.terminate().wait_for_shutdown();
+    // Stop the relays with us, so that a restarted launcher never runs a second set beside them.
+    for slot in slots {
+        if let Slot::Running(handle) = slot {
+            let _ = handle.terminate().wait_for_shutdown();
+        }
     }
     // Exit code 1 asks the postmaster to restart the launcher, unless the server is shutting down.
     // SAFETY: ends this process the way PostgreSQL expects.
@@ -139,10 +164,10 @@ fn database_oid(name: &str) -> Option<pg_sys::Oid> {
     Some(oid).filter(|oid| *oid != pg_sys::InvalidOid)
 }
 
-fn start_relay(database_oid: pg_sys::Oid) -> Option<DynamicBackgroundWorker> {
+fn start_relay(database_oid: pg_sys::Oid, slot: usize) -> Option<DynamicBackgroundWorker> {
     // SAFETY: MyProcPid is set for every backend.
     let launcher_pid = unsafe { pg_sys::MyProcPid };
-    BackgroundWorkerBuilder::new("outbox_pg relay")
+    BackgroundWorkerBuilder::new(&format!("outbox_pg relay {slot}"))
         .set_type("outbox_pg relay")
         .set_library("outbox_pg")
         .set_function("outbox_pg_relay_main")
@@ -151,6 +176,7 @@ fn start_relay(database_oid: pg_sys::Oid) -> Option<DynamicBackgroundWorker> {
         // The launcher restarts it; the postmaster must not.
         .set_restart_time(None)
         .set_argument(Some(pg_sys::Datum::from(u32::from(database_oid))))
+        .set_extra(&slot.to_string())
         .set_notify_pid(launcher_pid)
         .load_dynamic()
         .ok()

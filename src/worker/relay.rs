@@ -39,6 +39,8 @@ enum Health {
 }
 
 struct Relay {
+    /// Which of the `outbox.workers` relays this is; slot 0 also does the housekeeping.
+    slot: usize,
     sink: RedisSink,
     backoff: Backoff,
     health: Health,
@@ -54,13 +56,15 @@ struct Relay {
 pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let database_oid = pg_sys::Oid::from(arg.value() as u32);
+    let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shmem::MAX_RELAYS - 1);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
 
-    shmem::register_relay();
+    shmem::register_relay(slot);
     // SAFETY: `forget_relay` matches pg_on_exit_callback and only touches shared atomics.
-    unsafe { pg_sys::before_shmem_exit(Some(forget_relay), pg_sys::Datum::from(0)) };
+    unsafe { pg_sys::before_shmem_exit(Some(forget_relay), pg_sys::Datum::from(slot)) };
 
     let mut relay = Relay {
+        slot,
         sink: RedisSink::new(),
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
         health: Health::Healthy,
@@ -71,7 +75,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         database: guc::database(),
     };
     relay.sink.configure(redis_config());
-    log!("outbox_pg relay started: database \"{}\", Redis at {}", relay.database, relay.sink.describe());
+    log!("outbox_pg relay {} started: database \"{}\", Redis at {}", relay.slot, relay.database, relay.sink.describe());
 
     loop {
         if BackgroundWorker::sighup_received() {
@@ -120,7 +124,8 @@ impl Relay {
             self.retry_at = None;
         }
         // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
-        if Instant::now() >= self.next_housekeeping {
+        // One relay does it for all.
+        if self.slot == 0 && Instant::now() >= self.next_housekeeping {
             match self.housekeeping() {
                 Ok(busy) => {
                     let every = if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) };
@@ -129,7 +134,11 @@ impl Relay {
                 Err(error) => return Some(self.failed(Health::DatabaseError(error))),
             }
         }
-        let until_housekeeping = self.next_housekeeping.saturating_duration_since(Instant::now());
+        let until_housekeeping = if self.slot == 0 {
+            self.next_housekeeping.saturating_duration_since(Instant::now())
+        } else {
+            Duration::MAX
+        };
         if !guc::enabled() {
             self.set_health(Health::Disabled);
             return Some(poll.min(until_housekeeping));
@@ -146,7 +155,9 @@ impl Relay {
             fault: guc::fault_injection(),
         };
         let outcome = tick::tick(&mut self.sink, &settings);
-        shmem::set_redis_connected(self.sink.is_connected());
+        if self.slot == 0 {
+            shmem::set_redis_connected(self.sink.is_connected());
+        }
         match outcome {
             TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, .. } => {
                 self.recovered();
@@ -334,8 +345,8 @@ fn report_activity(publishing: bool) {
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn forget_relay(_code: i32, _arg: pg_sys::Datum) {
-    shmem::unregister_relay();
+unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
+    shmem::unregister_relay(slot.value());
 }
 
 #[cfg(test)]
