@@ -24,8 +24,13 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
+cargo clippy -p outbox-consumer -p outbox-bench --all-targets -- -D warnings
 
 # The lib test binary runs first: it installs the extension (test build) into PostgreSQL's
 # directories and runs the unit tests and #[pg_test]s. The integration tests then use that install.
 echo "== cargo test"
 cargo test --no-default-features --features "$FEATURES" -- --test-threads="${TEST_THREADS:-2}" "$@"
+
+# The consumer library and CLI (no pgrx), against their own redis-servers.
+echo "== cargo test -p outbox-consumer"
+cargo test -p outbox-consumer -- "$@"

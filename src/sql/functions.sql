@@ -221,6 +221,9 @@ RETURNS TABLE (
 )
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
+-- which takes longer than running them: never JIT them.
+SET jit = off
 AS $fn$
     WITH candidates AS (
         SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
@@ -270,6 +273,8 @@ COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
 CREATE FUNCTION outbox._mark_published(ids bigint[])
 RETURNS bigint
 LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
 AS $fn$
     WITH settled AS (
         UPDATE outbox.messages
@@ -290,6 +295,9 @@ CREATE FUNCTION outbox._reject(ids bigint[], error text, max_attempts integer, r
 RETURNS bigint
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
+-- which takes longer than running them: never JIT them.
+SET jit = off
 AS $fn$
     WITH rejected AS (
         UPDATE outbox.messages m
@@ -315,6 +323,9 @@ CREATE FUNCTION outbox._unclaim(ids bigint[])
 RETURNS bigint
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
+-- which takes longer than running them: never JIT them.
+SET jit = off
 AS $fn$
     WITH unclaimed AS (
         UPDATE outbox.messages m
@@ -332,6 +343,8 @@ COMMENT ON FUNCTION outbox._unclaim(bigint[]) IS
 CREATE FUNCTION outbox._release(ids bigint[], error text)
 RETURNS bigint
 LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
 AS $fn$
     WITH released AS (
         UPDATE outbox.messages
@@ -351,6 +364,8 @@ COMMENT ON FUNCTION outbox._release(bigint[], text) IS
 CREATE FUNCTION outbox._reap_expired(lease_ms integer)
 RETURNS bigint
 LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
 AS $fn$
     WITH reaped AS (
         UPDATE outbox.messages m
@@ -458,6 +473,9 @@ CREATE FUNCTION outbox._purge_batch(retention_s integer, batch_size integer)
 RETURNS bigint
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
+-- which takes longer than running them: never JIT them.
+SET jit = off
 AS $fn$
     WITH expired AS (
         SELECT m.id

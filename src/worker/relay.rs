@@ -59,6 +59,16 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shmem::MAX_RELAYS - 1);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
 
+    // The relay's batch statements gain nothing from JIT and would pay its compile time per call.
+    // SAFETY: static NUL-terminated strings; jit is a user-settable option.
+    unsafe {
+        pg_sys::SetConfigOption(
+            c"jit".as_ptr(),
+            c"off".as_ptr(),
+            pg_sys::GucContext::PGC_SUSET,
+            pg_sys::GucSource::PGC_S_OVERRIDE,
+        )
+    };
     shmem::register_relay(slot);
     // SAFETY: `forget_relay` matches pg_on_exit_callback and only touches shared atomics.
     unsafe { pg_sys::before_shmem_exit(Some(forget_relay), pg_sys::Datum::from(slot)) };

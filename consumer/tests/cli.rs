@@ -1,0 +1,174 @@
+//! The `outbox-consume` binary against a real redis-server.
+
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{event_fields, event_id, pending_count, wait_until, xadd, RedisServer, DEADLINE};
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-consume");
+const STREAM: &str = "outbox:order";
+const GROUP: &str = "cli";
+
+fn spawn(args: &[&str]) -> Child {
+    Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run outbox-consume")
+}
+
+/// Waits for the child to exit (failing the test after the deadline) and collects its output.
+/// Outputs in these tests are a few lines, far below a pipe buffer, so waiting before reading
+/// cannot deadlock.
+fn finish(mut child: Child) -> Output {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        match child.try_wait().expect("try_wait") {
+            Some(_) => return child.wait_with_output().expect("collect output"),
+            None if Instant::now() >= deadline => {
+                let _ = child.kill();
+                let output = child.wait_with_output().expect("collect output");
+                panic!("outbox-consume did not exit in time; stderr: {}", String::from_utf8_lossy(&output.stderr));
+            }
+            None => thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+fn run(args: &[&str]) -> Output {
+    finish(spawn(args))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn prints_events_as_json_lines_and_a_summary() {
+    let server = RedisServer::start();
+    let mut conn = server.conn();
+    let first = xadd(&mut conn, STREAM, &event_fields(&event_id(1), 1));
+    xadd(&mut conn, STREAM, &event_fields(&event_id(2), 2));
+    xadd(&mut conn, STREAM, &event_fields(&event_id(1), 1)); // redelivered copy
+    let mut with_headers = event_fields(&event_id(3), 3);
+    with_headers.push(("headers".into(), r#"{"trace":"abc"}"#.into()));
+    xadd(&mut conn, STREAM, &with_headers);
+
+    let url = server.url();
+    let output = run(&[
+        "--redis",
+        &url,
+        "--stream",
+        STREAM,
+        "--group",
+        GROUP,
+        "--consumer",
+        "cli-1",
+        "--block-ms",
+        "100",
+        "--max-events",
+        "3",
+    ]);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
+
+    let lines: Vec<serde_json::Value> = text(&output.stdout)
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}")))
+        .collect();
+    assert_eq!(lines.len(), 3);
+    let ids: Vec<&str> = lines.iter().filter_map(|l| l["event_id"].as_str()).collect();
+    assert_eq!(ids, vec![event_id(1), event_id(2), event_id(3)]);
+    let e = &lines[0];
+    assert_eq!(e["outbox_id"], 1001);
+    assert_eq!(e["aggregate_type"], "order");
+    assert_eq!(e["aggregate_id"], "o-1");
+    assert_eq!(e["aggregate_seq"], 1);
+    assert_eq!(e["event_type"], "order.updated");
+    assert_eq!(e["payload"], serde_json::json!({"seq": 1}));
+    assert_eq!(e["headers"], serde_json::Value::Null);
+    assert_eq!(e["created_at"], "2026-11-29T20:00:00.123456Z");
+    assert_eq!(e["stream"], STREAM);
+    assert_eq!(e["entry_id"], first.as_str());
+    assert_eq!(lines[2]["headers"], serde_json::json!({"trace": "abc"}));
+
+    assert!(stderr.contains("processed 3, duplicates skipped 1, dead-lettered 0"), "stderr: {stderr}");
+    assert_eq!(pending_count(&mut conn, STREAM, GROUP), 0);
+}
+
+#[test]
+fn idle_exit_reports_dead_letters_in_the_summary() {
+    let server = RedisServer::start();
+    let mut conn = server.conn();
+    xadd(&mut conn, STREAM, &[("event_id".to_string(), "nope".to_string())]);
+    xadd(&mut conn, STREAM, &event_fields(&event_id(1), 1));
+
+    let url = server.url();
+    let output =
+        run(&["--redis", &url, "--stream", STREAM, "--group", GROUP, "--block-ms", "50", "--idle-exit-ms", "200"]);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
+    assert_eq!(text(&output.stdout).lines().count(), 1);
+    assert!(stderr.contains("processed 1, duplicates skipped 0, dead-lettered 1, malformed 1"), "stderr: {stderr}");
+}
+
+#[test]
+fn sigterm_stops_cleanly_with_a_summary() {
+    let server = RedisServer::start();
+    let mut conn = server.conn();
+    for n in 1..=2 {
+        xadd(&mut conn, STREAM, &event_fields(&event_id(n), n as i64));
+    }
+    let url = server.url();
+    let child = spawn(&["--redis", &url, "--stream", STREAM, "--group", GROUP, "--block-ms", "100"]);
+    wait_until("both events marked done", || {
+        (1..=2).all(|n| {
+            let state: Option<String> =
+                redis::cmd("GET").arg(format!("outbox:dedup:{GROUP}:{}", event_id(n))).query(&mut conn).expect("GET");
+            state.as_deref() == Some("done")
+        })
+    });
+    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("run kill");
+    assert!(status.success());
+    let output = finish(child);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
+    assert_eq!(text(&output.stdout).lines().count(), 2);
+    assert!(stderr.contains("processed 2, duplicates skipped 0, dead-lettered 0"), "stderr: {stderr}");
+}
+
+#[test]
+fn bad_arguments_exit_with_code_2_and_name_the_value() {
+    let base = ["--redis", "redis://127.0.0.1:1/", "--stream", STREAM, "--group", GROUP];
+    let cases: Vec<(Vec<&str>, &[&str])> = vec![
+        (vec!["--batch", "abc"], &["--batch", "\"abc\""]),
+        (vec!["--batch=-3"], &["--batch", "\"-3\""]),
+        (vec!["--max-deliveries", "0"], &["--max-deliveries", "\"0\""]),
+        (vec!["--block-ms", "1.5"], &["--block-ms", "\"1.5\""]),
+        (vec!["--bogus"], &["\"--bogus\""]),
+        (vec!["--max-events"], &["--max-events needs a value"]),
+        (vec!["--dead-letter", STREAM], &["dead_letter_stream"]),
+    ];
+    for (extra, expected) in cases {
+        let mut args = base.to_vec();
+        args.extend(&extra);
+        let output = run(&args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{extra:?}: stderr {stderr}");
+        for needle in expected {
+            assert!(stderr.contains(needle), "{extra:?}: expected {needle:?} in stderr: {stderr}");
+        }
+    }
+    let output = run(&["--stream", STREAM, "--group", GROUP]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(text(&output.stderr).contains("--redis"));
+
+    let output = run(&["--help"]);
+    assert!(output.status.success());
+    assert!(text(&output.stdout).contains("usage: outbox-consume"));
+}
