@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The main job: builds and installs outbox_pg, starts a private PostgreSQL cluster with the
-# extension preloaded and a private redis-server (both on free loopback ports), commits a few
-# payments with their events and rolls a few back, then shows what reached the Redis stream.
-# Exits non-zero if a committed event is missing or a rolled-back one appeared.
-# Set KEEP=1 to leave both servers running afterwards.
+# The main job: the payments demo. Builds and installs outbox_pg, starts a private PostgreSQL
+# cluster with the extension preloaded and a private redis-server (free loopback ports), then runs
+# demo/ (payments-demo): a burst of PIX payments with their events, some rolled back; a
+# deduplicating notification service; the relay crashing between publish and mark; the relay
+# paused while payments continue (age alert); and a report. Exits non-zero if an event was lost or
+# a rolled-back payment produced one.
+#   DEMO_PAYMENTS=N     how many payments (default 2000)
+#   KEEP=1              leave PostgreSQL and Redis running afterwards
+#   DEMO_SKIP_INSTALL=1 use the outbox_pg already installed (the test suite's), debug build of the demo
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,13 +15,21 @@ bash scripts/install-deps.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS
 
-PG_BIN=$(/usr/lib/postgresql/15/bin/pg_config --bindir)
+PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+PG_BIN=$($PG_CONFIG --bindir)
 DEMO_DIR=${DEMO_DIR:-/tmp/opg-demo}
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
 
-echo "== building and installing outbox_pg (release)"
-cargo pgrx install --release --pg-config /usr/lib/postgresql/15/bin/pg_config >/dev/null
+if [ "${DEMO_SKIP_INSTALL:-0}" = 1 ]; then
+  cargo build -q -p outbox-demo
+  DEMO_BIN=target/debug/payments-demo
+else
+  echo "== building and installing outbox_pg (release) and the demo"
+  cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null
+  cargo build -q --release -p outbox-demo
+  DEMO_BIN=target/release/payments-demo
+fi
 
 PG_PORT=$(free_port)
 REDIS_PORT=$(free_port)
@@ -33,11 +45,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== starting redis-server on 127.0.0.1:$REDIS_PORT"
+echo "== starting redis-server on 127.0.0.1:$REDIS_PORT and PostgreSQL on 127.0.0.1:$PG_PORT (outbox_pg preloaded)"
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
   --dir "$DEMO_DIR" --logfile "$DEMO_DIR/redis.log"
-
-echo "== starting PostgreSQL on 127.0.0.1:$PG_PORT with outbox_pg preloaded"
 as_pg "$PG_BIN/initdb" -A trust -U postgres -E UTF8 --locale=C -D "$DEMO_DIR/data" >/dev/null
 cat >> "$DEMO_DIR/data/postgresql.conf" <<CONF
 port = $PG_PORT
@@ -48,51 +58,8 @@ outbox.database = 'postgres'
 outbox.redis_url = 'redis://127.0.0.1:$REDIS_PORT'
 CONF
 as_pg "$PG_BIN/pg_ctl" -D "$DEMO_DIR/data" -l "$DEMO_DIR/postgres.log" -w start >/dev/null
+psql -X -q -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -c "CREATE EXTENSION outbox_pg"
 
-psql_demo() { psql -X -q -v ON_ERROR_STOP=1 -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres "$@"; }
-
-psql_demo <<'SQL'
-CREATE EXTENSION outbox_pg;
-CREATE TABLE payments (
-    id          bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    payer       text NOT NULL,
-    amount      numeric(12, 2) NOT NULL,
-    created_at  timestamptz NOT NULL DEFAULT now()
-);
-SQL
-
-echo "== committing 5 payments and rolling back 2, each INSERT + outbox_enqueue in one transaction"
-for i in 1 2 3 4 5 6 7; do
-  if [ "$i" = 3 ] || [ "$i" = 6 ]; then ending=ROLLBACK; else ending=COMMIT; fi
-  psql_demo <<SQL
-BEGIN;
-WITH p AS (INSERT INTO payments (payer, amount) VALUES ('payer-$i', $((i * 1050)) / 100.0) RETURNING id, payer, amount)
-SELECT outbox_enqueue('payment', p.id, 'payment.created',
-                      jsonb_build_object('payment_id', p.id, 'payer', p.payer, 'amount', p.amount::text),
-                      jsonb_build_object('demo_txn', $i))
-  FROM p;
-$ending;
-SQL
-  echo "   payment transaction $i: $ending"
-done
-
-committed=$(psql_demo -At -c "SELECT count(*) FROM payments")
-deadline=$((SECONDS + 30))
-until [ "$(redis-cli -p "$REDIS_PORT" XLEN outbox:payment)" -ge "$committed" ] || [ $SECONDS -ge $deadline ]; do
-  sleep 0.05
-done
-
-echo "== stream outbox:payment in Redis"
-redis-cli -p "$REDIS_PORT" --no-raw XRANGE outbox:payment - + | sed 's/^/   /'
-echo "== outbox.messages"
-psql_demo -c "SELECT id, aggregate_id, event_type, status, attempts, published_at - created_at AS commit_to_published FROM outbox.messages ORDER BY id"
-
-delivered=$(redis-cli -p "$REDIS_PORT" XLEN outbox:payment)
-from_rollbacks=$(redis-cli -p "$REDIS_PORT" XRANGE outbox:payment - + | grep -c '"demo_txn":[36]\b' || true)
-echo "== report: payments committed: $committed, rolled back: 2, events delivered: $delivered, events from rolled-back payments: $from_rollbacks"
-if [ "$delivered" != "$committed" ] || [ "$from_rollbacks" != 0 ]; then
-  echo "FAILED: every committed payment must produce exactly one event and rolled-back ones none" >&2
-  exit 1
-fi
-echo "OK: every committed payment reached Redis once; rolled-back payments produced nothing."
-echo "   Logs: $DEMO_DIR/postgres.log (KEEP=1 leaves PostgreSQL on port $PG_PORT and Redis on $REDIS_PORT running)"
+"$DEMO_BIN" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
+  --redis "redis://127.0.0.1:$REDIS_PORT" --pg-log "$DEMO_DIR/postgres.log" --payments "${DEMO_PAYMENTS:-2000}"
+echo "   logs: $DEMO_DIR/postgres.log, $DEMO_DIR/redis.log"

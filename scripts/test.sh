@@ -24,7 +24,7 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
-cargo clippy -p outbox-consumer -p outbox-bench --all-targets -- -D warnings
+cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo --all-targets -- -D warnings
 
 # The lib test binary runs first: it installs the extension (test build) into PostgreSQL's
 # directories and runs the unit tests and #[pg_test]s. The integration tests then use that install.
