@@ -277,9 +277,10 @@ SET search_path = pg_catalog, pg_temp
 SET jit = off
 AS $fn$
     WITH settled AS (
-        UPDATE outbox.messages
+        UPDATE outbox.messages m
            SET status = 'published', published_at = clock_timestamp(), last_error = NULL
-         WHERE id = ANY (ids) AND status = 'publishing'
+          FROM unnest(ids) AS settled_id(id)
+         WHERE m.id = settled_id.id AND m.status = 'publishing'
         RETURNING 1
     )
     SELECT count(*) FROM settled
@@ -309,7 +310,8 @@ AS $fn$
                               + least(retry_delay_ms * power(2, least(m.rejections, 20)), 300000) * interval '1 millisecond',
                claimed_at = NULL,
                claimed_by = NULL
-         WHERE m.id = ANY (ids) AND m.status = 'publishing'
+          FROM unnest(ids) AS rejected_id(id)
+         WHERE m.id = rejected_id.id AND m.status = 'publishing'
         RETURNING m.status
     )
     SELECT count(*) FILTER (WHERE status = 'failed') FROM rejected
@@ -330,7 +332,8 @@ AS $fn$
     WITH unclaimed AS (
         UPDATE outbox.messages m
            SET status = 'pending', claimed_at = NULL, claimed_by = NULL, attempts = m.attempts - 1
-         WHERE m.id = ANY (ids) AND m.status = 'publishing'
+          FROM unnest(ids) AS unclaimed_id(id)
+         WHERE m.id = unclaimed_id.id AND m.status = 'publishing'
         RETURNING 1
     )
     SELECT count(*) FROM unclaimed
@@ -347,9 +350,10 @@ SET search_path = pg_catalog, pg_temp
 SET jit = off
 AS $fn$
     WITH released AS (
-        UPDATE outbox.messages
+        UPDATE outbox.messages m
            SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error
-         WHERE id = ANY (ids) AND status = 'publishing'
+          FROM unnest(ids) AS released_id(id)
+         WHERE m.id = released_id.id AND m.status = 'publishing'
         RETURNING 1
     )
     SELECT count(*) FROM released
