@@ -60,15 +60,20 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
 
     // The relay's batch statements gain nothing from JIT and would pay its compile time per call.
-    // SAFETY: static NUL-terminated strings; jit is a user-settable option.
-    unsafe {
-        pg_sys::SetConfigOption(
-            c"jit".as_ptr(),
-            c"off".as_ptr(),
-            pg_sys::GucContext::PGC_SUSET,
-            pg_sys::GucSource::PGC_S_OVERRIDE,
-        )
-    };
+    // Its commits need not wait for the WAL flush: a relay commit lost in a crash (claim, mark,
+    // rejection, retention) only means an event is published again or a row deleted later, never
+    // that an event is lost, while waiting would put an fsync on every event's path to Redis.
+    for (name, value) in [(c"jit", c"off"), (c"synchronous_commit", c"off")] {
+        // SAFETY: static NUL-terminated strings; both are user-settable options.
+        unsafe {
+            pg_sys::SetConfigOption(
+                name.as_ptr(),
+                value.as_ptr(),
+                pg_sys::GucContext::PGC_SUSET,
+                pg_sys::GucSource::PGC_S_OVERRIDE,
+            )
+        };
+    }
     shmem::register_relay(slot);
     // SAFETY: `forget_relay` matches pg_on_exit_callback and only touches shared atomics.
     unsafe { pg_sys::before_shmem_exit(Some(forget_relay), pg_sys::Datum::from(slot)) };
