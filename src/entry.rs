@@ -142,4 +142,99 @@ mod tests {
         assert!(fields.contains(&("outbox_id", "7".to_string())));
         assert!(fields.contains(&("aggregate_seq", "3".to_string())));
     }
+
+    /// A reference implementation written differently (token scan by index) to compare against.
+    fn reference_render(template: &str, aggregate_type: &str, event_type: &str) -> String {
+        let mut out = String::new();
+        let mut i = 0;
+        while i < template.len() {
+            let rest = &template[i..];
+            if rest.starts_with("{aggregate_type}") {
+                out.push_str(aggregate_type);
+                i += "{aggregate_type}".len();
+            } else if rest.starts_with("{event_type}") {
+                out.push_str(event_type);
+                i += "{event_type}".len();
+            } else {
+                let c = rest.chars().next().unwrap();
+                out.push(c);
+                i += c.len_utf8();
+            }
+        }
+        out
+    }
+
+    fn text_with_placeholders() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        proptest::collection::vec(
+            prop_oneof![
+                Just("{aggregate_type}".to_string()),
+                Just("{event_type}".to_string()),
+                Just("{".to_string()),
+                Just("}".to_string()),
+                Just("{aggregate_type".to_string()),
+                any::<String>(),
+            ],
+            0..8,
+        )
+        .prop_map(|parts| parts.concat())
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+
+        /// Fuzzes the template substitution: never panics on any UTF-8, matches the reference,
+        /// and inserts values verbatim (a value holding a placeholder is not expanded again).
+        #[test]
+        fn template_rendering_matches_the_reference(
+            template in text_with_placeholders(),
+            aggregate_type in text_with_placeholders(),
+            event_type in text_with_placeholders(),
+        ) {
+            let rendered = render_stream_template(&template, &aggregate_type, &event_type);
+            proptest::prop_assert_eq!(&rendered, &reference_render(&template, &aggregate_type, &event_type));
+            if !template.contains('{') {
+                proptest::prop_assert_eq!(rendered, template);
+            }
+        }
+
+        /// Fuzzes the row-to-entry conversion: every event yields the fixed field list, values
+        /// unchanged, `headers` exactly when present, and an explicit stream wins over the template.
+        #[test]
+        fn entries_carry_every_field_verbatim(
+            id in proptest::prelude::any::<i64>(),
+            seq in 1i64..,
+            aggregate_type in text_with_placeholders(),
+            aggregate_id in proptest::prelude::any::<String>(),
+            payload in proptest::prelude::any::<String>(),
+            headers in proptest::option::of(proptest::prelude::any::<String>()),
+            stream in proptest::option::of(proptest::prelude::any::<String>()),
+        ) {
+            let event = OutboxEvent {
+                id,
+                event_id: "e".into(),
+                aggregate_type: aggregate_type.clone(),
+                aggregate_id: aggregate_id.clone(),
+                aggregate_seq: seq,
+                event_type: "t".into(),
+                payload: payload.clone(),
+                headers: headers.clone(),
+                stream: stream.clone(),
+                created_at: "c".into(),
+            };
+            let fields = event.fields();
+            let get = |name: &str| fields.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone());
+            proptest::prop_assert_eq!(fields.len(), if headers.is_some() { 9 } else { 8 });
+            proptest::prop_assert_eq!(get("outbox_id"), Some(id.to_string()));
+            proptest::prop_assert_eq!(get("aggregate_seq"), Some(seq.to_string()));
+            proptest::prop_assert_eq!(get("aggregate_id"), Some(aggregate_id));
+            proptest::prop_assert_eq!(get("payload"), Some(payload));
+            proptest::prop_assert_eq!(get("headers"), headers);
+            let key = event.stream_key("s:{aggregate_type}");
+            match stream {
+                Some(explicit) => proptest::prop_assert_eq!(key, explicit),
+                None => proptest::prop_assert_eq!(key, format!("s:{aggregate_type}")),
+            }
+        }
+    }
 }
