@@ -107,13 +107,14 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             }
         }
 
+        // Background workers must flush their statistics themselves (PostgresMain does it for
+        // client backends); outbox.stats estimates published rows from them. It is rate-limited
+        // internally, so calling it every round is cheap.
+        // SAFETY: outside any transaction, as pgstat requires.
+        unsafe { pg_sys::pgstat_report_stat(false) };
         match relay.run_once() {
             Some(timeout) => {
                 report_activity(false);
-                // Background workers must flush their statistics themselves (PostgresMain does it
-                // for client backends); outbox.stats estimates published rows from them.
-                // SAFETY: outside any transaction, as pgstat requires.
-                unsafe { pg_sys::pgstat_report_stat(false) };
                 if !BackgroundWorker::wait_latch(Some(timeout)) {
                     break;
                 }
