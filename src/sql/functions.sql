@@ -184,7 +184,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass a window longer than redeliveries can take, e.g. ''7 days''.';
     END IF;
-    DELETE FROM outbox.processed_messages p WHERE p.processed_at <= clock_timestamp() - older_than;
+    DELETE FROM outbox.processed_messages p WHERE p.processed_at <= now() - older_than;
     GET DIAGNOSTICS purged = ROW_COUNT;
     RETURN purged;
 END
@@ -380,7 +380,7 @@ AS $fn$
                                  THEN 'claim lease expired before the publish was settled'
                                  ELSE 'the claiming process exited before the publish was settled' END
          WHERE m.status = 'publishing'
-           AND (m.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
+           AND (m.claimed_at < now() - lease_ms * interval '1 millisecond'
                 OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(m.claimed_by)))
         RETURNING 1
     )
@@ -462,7 +462,7 @@ BEGIN
                   HINT = 'Pass e.g. ''7 days''; ''0'' purges every published event.';
     END IF;
     DELETE FROM outbox.messages m
-     WHERE m.status IN ('published', 'skipped') AND m.published_at <= clock_timestamp() - older_than;
+     WHERE m.status IN ('published', 'skipped') AND m.published_at <= now() - older_than;
     GET DIAGNOSTICS purged = ROW_COUNT;
     RETURN purged;
 END
@@ -485,7 +485,9 @@ AS $fn$
         SELECT m.id
           FROM outbox.messages m
          WHERE m.status IN ('published', 'skipped')
-           AND m.published_at < clock_timestamp() - retention_s * interval '1 second'
+           -- now(), not clock_timestamp(): a stable bound can drive the index scan, a volatile one
+           -- would filter every published row.
+           AND m.published_at < now() - retention_s * interval '1 second'
          ORDER BY m.published_at
          LIMIT batch_size
     ), purged AS (
@@ -493,7 +495,7 @@ AS $fn$
     ), expired_marks AS (
         SELECT p.consumer, p.event_id
           FROM outbox.processed_messages p
-         WHERE p.processed_at < clock_timestamp() - retention_s * interval '1 second'
+         WHERE p.processed_at < now() - retention_s * interval '1 second'
          ORDER BY p.processed_at
          LIMIT batch_size
     ), purged_marks AS (
