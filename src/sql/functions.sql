@@ -194,8 +194,11 @@ COMMENT ON FUNCTION outbox.purge_processed(interval) IS
     'Deletes consumer dedup marks older than older_than; returns how many';
 
 -- ---------------------------------------------------------------------------------------------
--- The relay's statements. They are plain SQL so that they can be read, explained and tested from
--- psql; the worker calls them through SPI. Not for applications: EXECUTE is revoked from PUBLIC.
+-- The relay's statements. They live here so that they can be read, explained and tested from
+-- psql; the worker calls them through SPI. PL/pgSQL rather than SQL functions: it keeps their
+-- plans for the session, where an SQL function would parse and plan them again on every call,
+-- which dominated the relay's cost for small batches. Not for applications: EXECUTE is revoked
+-- from PUBLIC.
 -- ---------------------------------------------------------------------------------------------
 
 -- Claims up to batch_size pending rows, oldest first, and marks them publishing. SKIP LOCKED lets
@@ -219,51 +222,55 @@ RETURNS TABLE (
     stream         text,
     created_at     text
 )
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 -- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
 -- which takes longer than running them: never JIT them.
 SET jit = off
 AS $fn$
-    WITH candidates AS (
-        SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
-          FROM outbox.messages m
-         WHERE m.status = 'pending'
-           AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
-           AND (NOT in_order OR NOT EXISTS (
-                   SELECT 1
-                     FROM outbox.messages e
-                    WHERE e.aggregate_type = m.aggregate_type
-                      AND e.aggregate_id = m.aggregate_id
-                      AND e.aggregate_seq < m.aggregate_seq
-                      AND e.status IN ('pending', 'publishing', 'failed')
-                      AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))))
-         ORDER BY m.id
-         LIMIT batch_size
-           FOR UPDATE SKIP LOCKED
-    ),
-    claimable AS (
-        SELECT c.id
-          FROM candidates c
-         WHERE NOT in_order OR NOT EXISTS (
-                   SELECT 1
-                     FROM outbox.messages e
-                    WHERE e.aggregate_type = c.aggregate_type
-                      AND e.aggregate_id = c.aggregate_id
-                      AND e.aggregate_seq < c.aggregate_seq
-                      AND e.status IN ('pending', 'publishing', 'failed')
-                      AND e.id NOT IN (SELECT x.id FROM candidates x))
-    )
-    UPDATE outbox.messages m
-       SET status = 'publishing',
-           claimed_at = clock_timestamp(),
-           claimed_by = pg_backend_pid(),
-           attempts = m.attempts + 1
-      FROM claimable c
-     WHERE m.id = c.id
-    RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
-              m.payload::text, m.headers::text, m.stream,
-              to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        WITH candidates AS (
+            SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
+              FROM outbox.messages m
+             WHERE m.status = 'pending'
+               AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
+               AND (NOT in_order OR NOT EXISTS (
+                       SELECT 1
+                         FROM outbox.messages e
+                        WHERE e.aggregate_type = m.aggregate_type
+                          AND e.aggregate_id = m.aggregate_id
+                          AND e.aggregate_seq < m.aggregate_seq
+                          AND e.status IN ('pending', 'publishing', 'failed')
+                          AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))))
+             ORDER BY m.id
+             LIMIT batch_size
+               FOR UPDATE SKIP LOCKED
+        ),
+        claimable AS (
+            SELECT c.id
+              FROM candidates c
+             WHERE NOT in_order OR NOT EXISTS (
+                       SELECT 1
+                         FROM outbox.messages e
+                        WHERE e.aggregate_type = c.aggregate_type
+                          AND e.aggregate_id = c.aggregate_id
+                          AND e.aggregate_seq < c.aggregate_seq
+                          AND e.status IN ('pending', 'publishing', 'failed')
+                          AND e.id NOT IN (SELECT x.id FROM candidates x))
+        )
+        UPDATE outbox.messages m
+           SET status = 'publishing',
+               claimed_at = clock_timestamp(),
+               claimed_by = pg_backend_pid(),
+               attempts = m.attempts + 1
+          FROM claimable c
+         WHERE m.id = c.id
+        RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
+                  m.payload::text, m.headers::text, m.stream,
+                  to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"');
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
@@ -272,10 +279,13 @@ COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
 -- Settles rows that Redis accepted.
 CREATE FUNCTION outbox._mark_published(ids bigint[])
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
 AS $fn$
+DECLARE
+    affected bigint;
+BEGIN
     WITH settled AS (
         UPDATE outbox.messages m
            SET status = 'published', published_at = clock_timestamp(), last_error = NULL
@@ -283,7 +293,9 @@ AS $fn$
          WHERE m.id = settled_id.id AND m.status = 'publishing'
         RETURNING 1
     )
-    SELECT count(*) FROM settled
+    SELECT count(*) INTO affected FROM settled;
+    RETURN affected;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._mark_published(bigint[]) IS
@@ -294,12 +306,15 @@ COMMENT ON FUNCTION outbox._mark_published(bigint[]) IS
 -- Returns how many rows became failed.
 CREATE FUNCTION outbox._reject(ids bigint[], error text, max_attempts integer, retry_delay_ms integer)
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 -- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
 -- which takes longer than running them: never JIT them.
 SET jit = off
 AS $fn$
+DECLARE
+    affected bigint;
+BEGIN
     WITH rejected AS (
         UPDATE outbox.messages m
            SET rejections = m.rejections + 1,
@@ -314,7 +329,9 @@ AS $fn$
          WHERE m.id = rejected_id.id AND m.status = 'publishing'
         RETURNING m.status
     )
-    SELECT count(*) FILTER (WHERE status = 'failed') FROM rejected
+    SELECT count(*) FILTER (WHERE status = 'failed') INTO affected FROM rejected;
+    RETURN affected;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._reject(bigint[], text, integer, integer) IS
@@ -323,12 +340,15 @@ COMMENT ON FUNCTION outbox._reject(bigint[], text, integer, integer) IS
 -- Returns claimed rows the relay decided not to send this round, as if never claimed.
 CREATE FUNCTION outbox._unclaim(ids bigint[])
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 -- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
 -- which takes longer than running them: never JIT them.
 SET jit = off
 AS $fn$
+DECLARE
+    affected bigint;
+BEGIN
     WITH unclaimed AS (
         UPDATE outbox.messages m
            SET status = 'pending', claimed_at = NULL, claimed_by = NULL, attempts = m.attempts - 1
@@ -336,7 +356,9 @@ AS $fn$
          WHERE m.id = unclaimed_id.id AND m.status = 'publishing'
         RETURNING 1
     )
-    SELECT count(*) FROM unclaimed
+    SELECT count(*) INTO affected FROM unclaimed;
+    RETURN affected;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._unclaim(bigint[]) IS
@@ -345,10 +367,13 @@ COMMENT ON FUNCTION outbox._unclaim(bigint[]) IS
 -- Returns claimed rows to pending, recording why the publish failed.
 CREATE FUNCTION outbox._release(ids bigint[], error text)
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
 AS $fn$
+DECLARE
+    affected bigint;
+BEGIN
     WITH released AS (
         UPDATE outbox.messages m
            SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error
@@ -356,7 +381,9 @@ AS $fn$
          WHERE m.id = released_id.id AND m.status = 'publishing'
         RETURNING 1
     )
-    SELECT count(*) FROM released
+    SELECT count(*) INTO affected FROM released;
+    RETURN affected;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._release(bigint[], text) IS
@@ -367,10 +394,13 @@ COMMENT ON FUNCTION outbox._release(bigint[], text) IS
 -- are kept. Only rows in `publishing` are looked at, through their partial index.
 CREATE FUNCTION outbox._reap_expired(lease_ms integer)
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
 AS $fn$
+DECLARE
+    affected bigint;
+BEGIN
     WITH reaped AS (
         UPDATE outbox.messages m
            SET status = 'pending',
@@ -384,7 +414,9 @@ AS $fn$
                 OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(m.claimed_by)))
         RETURNING 1
     )
-    SELECT count(*) FROM reaped
+    SELECT count(*) INTO affected FROM reaped;
+    RETURN affected;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._reap_expired(integer) IS
@@ -475,12 +507,15 @@ COMMENT ON FUNCTION outbox.purge(interval) IS
 -- oldest expired consumer dedup marks.
 CREATE FUNCTION outbox._purge_batch(retention_s integer, batch_size integer)
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 -- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
 -- which takes longer than running them: never JIT them.
 SET jit = off
 AS $fn$
+DECLARE
+    affected bigint;
+BEGIN
     WITH expired AS (
         SELECT m.id
           FROM outbox.messages m
@@ -503,7 +538,9 @@ AS $fn$
          WHERE p.consumer = x.consumer AND p.event_id = x.event_id
         RETURNING 1
     )
-    SELECT greatest((SELECT count(*) FROM purged), (SELECT count(*) FROM purged_marks))
+    SELECT greatest((SELECT count(*) FROM purged), (SELECT count(*) FROM purged_marks)) INTO affected;
+    RETURN affected;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox._purge_batch(integer, integer) IS
