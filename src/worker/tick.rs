@@ -88,13 +88,22 @@ fn extension_installed() -> Result<bool, pgrx::spi::Error> {
     Ok(Spi::get_one::<bool>(EXTENSION_INSTALLED)?.unwrap_or(false))
 }
 
-/// Claims up to `batch_size` pending events and commits the claim.
+/// Claims up to `batch_size` pending events and commits the claim. `Ok(None)` when the extension
+/// is not installed: that is only looked up after the claim failed, so the common round costs one
+/// statement.
 fn claim(batch_size: usize, in_order: bool) -> Result<Option<Vec<OutboxEvent>>, String> {
+    match claim_rows(batch_size, in_order) {
+        Ok(events) => Ok(Some(events)),
+        Err(error) => match txn::run(extension_installed) {
+            Ok(false) => Ok(None),
+            _ => Err(error),
+        },
+    }
+}
+
+fn claim_rows(batch_size: usize, in_order: bool) -> Result<Vec<OutboxEvent>, String> {
     let batch_size = batch_size as i32;
-    txn::run(move || -> Result<Option<Vec<OutboxEvent>>, pgrx::spi::Error> {
-        if !extension_installed()? {
-            return Ok(None);
-        }
+    txn::run(move || -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
         Spi::connect_mut(|client| {
             let rows = client.update(CLAIM, None, &[batch_size.into(), in_order.into()])?;
             let mut events = Vec::with_capacity(rows.len());
@@ -114,7 +123,7 @@ fn claim(batch_size: usize, in_order: bool) -> Result<Option<Vec<OutboxEvent>>, 
             }
             // RETURNING gives no order; publish oldest first.
             events.sort_unstable_by_key(|event| event.id);
-            Ok(Some(events))
+            Ok(events)
         })
     })
 }
