@@ -15,11 +15,8 @@ bash scripts/install-deps.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS
 
-PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
-PG_BIN=$($PG_CONFIG --bindir)
-DEMO_DIR=${DEMO_DIR:-/tmp/opg-demo}
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+SERVERS_DIR=${DEMO_DIR:-/tmp/opg-demo}
+source scripts/private-servers.sh
 
 if [ "${DEMO_SKIP_INSTALL:-0}" = 1 ]; then
   cargo build -q -p outbox-demo
@@ -31,35 +28,8 @@ else
   DEMO_BIN=target/release/payments-demo
 fi
 
-PG_PORT=$(free_port)
-REDIS_PORT=$(free_port)
-rm -rf "$DEMO_DIR"
-mkdir -p "$DEMO_DIR"
-[ "$(id -u)" = 0 ] && chown postgres:postgres "$DEMO_DIR"
-
-cleanup() {
-  if [ "${KEEP:-0}" != 1 ]; then
-    as_pg "$PG_BIN/pg_ctl" -D "$DEMO_DIR/data" -m fast -w stop >/dev/null 2>&1 || true
-    redis-cli -p "$REDIS_PORT" shutdown nosave >/dev/null 2>&1 || true
-  fi
-}
-trap cleanup EXIT
-
-echo "== starting redis-server on 127.0.0.1:$REDIS_PORT and PostgreSQL on 127.0.0.1:$PG_PORT (outbox_pg preloaded)"
-redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
-  --dir "$DEMO_DIR" --logfile "$DEMO_DIR/redis.log"
-as_pg "$PG_BIN/initdb" -A trust -U postgres -E UTF8 --locale=C -D "$DEMO_DIR/data" >/dev/null
-cat >> "$DEMO_DIR/data/postgresql.conf" <<CONF
-port = $PG_PORT
-listen_addresses = '127.0.0.1'
-unix_socket_directories = '$DEMO_DIR'
-shared_preload_libraries = 'outbox_pg'
-outbox.database = 'postgres'
-outbox.redis_url = 'redis://127.0.0.1:$REDIS_PORT'
-CONF
-as_pg "$PG_BIN/pg_ctl" -D "$DEMO_DIR/data" -l "$DEMO_DIR/postgres.log" -w start >/dev/null
-psql -X -q -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -c "CREATE EXTENSION outbox_pg"
+start_private_servers
 
 "$DEMO_BIN" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
-  --redis "redis://127.0.0.1:$REDIS_PORT" --pg-log "$DEMO_DIR/postgres.log" --payments "${DEMO_PAYMENTS:-2000}"
-echo "   logs: $DEMO_DIR/postgres.log, $DEMO_DIR/redis.log"
+  --redis "redis://127.0.0.1:$REDIS_PORT" --pg-log "$PG_LOG" --payments "${DEMO_PAYMENTS:-2000}"
+echo "   logs: $PG_LOG, $SERVERS_DIR/redis.log"
