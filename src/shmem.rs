@@ -23,6 +23,11 @@ pub struct RelayShared {
     last_error_at: AtomicI64,
     /// Set once `outbox.fault_injection` fired, so that it fires once per arming.
     fault_fired: AtomicBool,
+    /// When the next housekeeping is due (PostgreSQL timestamp, µs); whichever relay gets there
+    /// first does it, so a hung relay never stops the lease reaper or the age alert.
+    housekeeping_due: AtomicI64,
+    /// When the age WARNING was last logged while the alert is on; 0 while it is off.
+    alert_logged_at: AtomicI64,
 }
 
 /// The relay's most recent error message, truncated to fit; shown in `outbox.stats`.
@@ -79,6 +84,45 @@ pub fn last_error() -> Option<(String, i64)> {
     }
     let text = LAST_ERROR.share();
     Some((String::from_utf8_lossy(&text.bytes[..text.len]).into_owned(), at))
+}
+
+fn now_us() -> i64 {
+    // SAFETY: reads the clock; no preconditions.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+/// Claims the housekeeping if it is due: true for exactly one relay per due time. The claimer
+/// pushes the due time `busy_interval` ahead at once, so that a claimer that hangs is replaced by
+/// another relay after that interval.
+pub fn claim_housekeeping(busy_interval: std::time::Duration) -> bool {
+    let due = &RELAY.get().housekeeping_due;
+    let current = due.load(Ordering::SeqCst);
+    let now = now_us();
+    now >= current
+        && due
+            .compare_exchange(current, now + busy_interval.as_micros() as i64, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+}
+
+/// Sets when the next housekeeping is due, `after` from now.
+pub fn schedule_housekeeping(after: std::time::Duration) {
+    RELAY.get().housekeeping_due.store(now_us() + after.as_micros() as i64, Ordering::SeqCst);
+}
+
+/// How long until the next housekeeping is due (zero if it is).
+pub fn until_housekeeping() -> std::time::Duration {
+    let left = RELAY.get().housekeeping_due.load(Ordering::SeqCst) - now_us();
+    std::time::Duration::from_micros(left.max(0) as u64)
+}
+
+/// The age alert's state shared by the relays: when its WARNING was last logged, if it is on.
+pub fn alert_logged_at() -> Option<std::time::Duration> {
+    let at = RELAY.get().alert_logged_at.load(Ordering::SeqCst);
+    (at != 0).then(|| std::time::Duration::from_micros((now_us() - at).max(0) as u64))
+}
+
+pub fn set_alert_logged(on: bool) {
+    RELAY.get().alert_logged_at.store(if on { now_us() } else { 0 }, Ordering::SeqCst);
 }
 
 /// Whether the armed fault already fired; `arm` false re-arms it.

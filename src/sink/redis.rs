@@ -4,7 +4,7 @@
 
 use std::fs;
 use std::os::unix::fs::MetadataExt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 
@@ -39,6 +39,9 @@ pub enum EntryOutcome {
     Rejected(String),
     /// Redis refused this entry for a reason that concerns the whole server (OOM, LOADING, ...).
     BrokerRefused(String),
+    /// Not executed: Redis discarded the transaction because another entry was refused. It goes
+    /// back untouched and is sent again next round.
+    NotSent,
 }
 
 /// A lazily (re)connected Redis connection.
@@ -101,10 +104,17 @@ impl RedisSink {
         self.connection.as_mut().ok_or_else(|| BrokerError("no connection".into()))
     }
 
-    /// XADDs every event to its stream in one pipeline and reports, per event and in the same
-    /// order, whether Redis stored it. `Err` means the batch's fate is unknown (connection lost or
-    /// timed out mid-pipeline): treat every entry as not published; some may be, which is the
-    /// at-least-once duplicate consumers deduplicate by `event_id`.
+    /// XADDs every event to its stream in one MULTI/EXEC pipeline and reports, per event and in
+    /// the same order, whether Redis stored it. `Err` means the batch's fate is unknown (connection
+    /// lost, or no complete answer within `outbox.redis_timeout`): treat every entry as not
+    /// published; some may be, which is the at-least-once duplicate consumers deduplicate by
+    /// `event_id`.
+    ///
+    /// MULTI/EXEC makes a failure of Redis as a whole all-or-nothing for the batch: Redis refuses
+    /// to queue a write while out of memory (or loading, or read-only), and then discards the
+    /// whole transaction. Without it, an OOM that starts or ends in the middle of a pipeline
+    /// would store later events of an aggregate while refusing earlier ones. Errors an entry
+    /// causes itself (WRONGTYPE) still come back per entry from EXEC.
     pub fn publish(
         &mut self,
         events: &[OutboxEvent],
@@ -115,7 +125,7 @@ impl RedisSink {
             return Ok(Vec::new());
         }
         let mut pipe = redis::pipe();
-        pipe.ignore_errors();
+        pipe.atomic();
         for event in events {
             let cmd = pipe.cmd("XADD").arg(event.stream_key(stream_template));
             if let Some(maxlen) = maxlen {
@@ -126,20 +136,76 @@ impl RedisSink {
                 cmd.arg(field).arg(value);
             }
         }
+        let packed = pipe.get_packed_pipeline();
+        let timeout = self.config.as_ref().map_or(Duration::from_secs(5), |c| c.timeout);
         let _quiet = SignalsDeferred::new();
         let connection = self.connection()?;
-        let replies: Result<Vec<redis::RedisResult<redis::Value>>, redis::RedisError> = pipe.query(connection);
-        match replies {
-            Ok(replies) if replies.len() == events.len() => Ok(replies.into_iter().map(classify_reply).collect()),
-            Ok(replies) => {
-                self.connection = None;
-                Err(BrokerError(format!("Redis answered {} replies to {} commands", replies.len(), events.len())))
-            }
-            Err(error) => {
-                self.connection = None;
-                Err(BrokerError(describe_error(&error)))
-            }
+        let outcome = exchange(connection, &packed, events.len(), Instant::now() + timeout);
+        if outcome.is_err() {
+            // Replies may still be in flight: this connection's stream can no longer be trusted.
+            self.connection = None;
         }
+        outcome
+    }
+}
+
+/// Sends a packed MULTI + `count` commands + EXEC and reads every reply before `deadline`. The
+/// client library applies the read timeout per reply, so a Redis that stops answering would hold a
+/// batch for `count` timeouts; the deadline bounds the whole exchange instead.
+fn exchange(
+    connection: &mut redis::Connection,
+    packed: &[u8],
+    count: usize,
+    deadline: Instant,
+) -> Result<Vec<EntryOutcome>, BrokerError> {
+    connection.send_packed_command(packed).map_err(|e| BrokerError(describe_error(&e)))?;
+    let mut next_reply = || -> Result<redis::Value, BrokerError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(BrokerError("Redis did not answer within outbox.redis_timeout".into()));
+        }
+        connection
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .and_then(|_| connection.recv_response())
+            .map_err(|e| BrokerError(describe_error(&e)))
+    };
+    // MULTI
+    if let redis::Value::ServerError(error) = next_reply()? {
+        return Err(BrokerError(error.to_string()));
+    }
+    // One QUEUED (or a refusal) per command. A refusal makes Redis discard the transaction.
+    let mut refused_at_queueing = Vec::new();
+    for index in 0..count {
+        if let redis::Value::ServerError(error) = next_reply()? {
+            refused_at_queueing.push((index, error));
+        }
+    }
+    let exec = next_reply()?;
+    if let Some((_, error)) = refused_at_queueing.iter().find(|(_, e)| is_broker_wide_code(e.code())) {
+        return Err(BrokerError(error.to_string()));
+    }
+    if !refused_at_queueing.is_empty() {
+        // Refused for the entry itself at queueing time (never seen with XADD, kept for safety):
+        // those entries are rejected, the rest of the discarded transaction goes again next round.
+        let mut outcomes = vec![EntryOutcome::NotSent; count];
+        for (index, error) in refused_at_queueing {
+            outcomes[index] = EntryOutcome::Rejected(error.to_string());
+        }
+        return Ok(outcomes);
+    }
+    match exec {
+        redis::Value::Array(replies) if replies.len() == count => Ok(replies
+            .into_iter()
+            .map(|reply| match reply {
+                redis::Value::ServerError(error) if is_broker_wide_code(error.code()) => {
+                    EntryOutcome::BrokerRefused(error.to_string())
+                }
+                redis::Value::ServerError(error) => EntryOutcome::Rejected(error.to_string()),
+                _ => EntryOutcome::Published,
+            })
+            .collect()),
+        redis::Value::ServerError(error) => Err(BrokerError(error.to_string())),
+        other => Err(BrokerError(format!("unexpected EXEC reply from Redis: {other:?}"))),
     }
 }
 
@@ -184,24 +250,9 @@ impl Drop for SignalsDeferred {
     }
 }
 
-fn classify_reply(reply: redis::RedisResult<redis::Value>) -> EntryOutcome {
-    match reply {
-        Ok(_) => EntryOutcome::Published,
-        Err(error) if is_broker_wide(&error) => EntryOutcome::BrokerRefused(describe_error(&error)),
-        Err(error) => EntryOutcome::Rejected(describe_error(&error)),
-    }
-}
-
-/// Whether an error concerns Redis as a whole rather than one entry.
-pub fn is_broker_wide(error: &redis::RedisError) -> bool {
-    if error.is_io_error() || error.is_timeout() || error.is_connection_dropped() || error.is_connection_refusal() {
-        return true;
-    }
-    match error.code() {
-        Some(code) => BROKER_WIDE_CODES.contains(&code),
-        // Errors without a server code are client-side: connection, protocol, parsing.
-        None => true,
-    }
+/// Whether a server error code concerns Redis as a whole rather than one entry.
+pub fn is_broker_wide_code(code: &str) -> bool {
+    BROKER_WIDE_CODES.contains(&code)
 }
 
 fn describe_error(error: &redis::RedisError) -> String {

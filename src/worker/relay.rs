@@ -51,9 +51,6 @@ struct Relay {
     backoff: Backoff,
     health: Health,
     retry_at: Option<Instant>,
-    next_housekeeping: Instant,
-    /// When the last age WARNING was logged, while the alert is on.
-    alerting_since_log: Option<Instant>,
     database: String,
 }
 
@@ -81,6 +78,8 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         };
     }
     shmem::register_relay(slot);
+    // A (re)started relay first returns the claims its predecessor left behind.
+    shmem::schedule_housekeeping(Duration::ZERO);
     // SAFETY: `forget_relay` matches pg_on_exit_callback and only touches shared atomics.
     unsafe { pg_sys::before_shmem_exit(Some(forget_relay), pg_sys::Datum::from(slot)) };
 
@@ -90,9 +89,6 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
         health: Health::Healthy,
         retry_at: None,
-        // At once: a restarted relay first returns the claims its predecessor left behind.
-        next_housekeeping: Instant::now(),
-        alerting_since_log: None,
         database: guc::database(),
     };
     relay.sink.configure(redis_config());
@@ -150,21 +146,16 @@ impl Relay {
             self.retry_at = None;
         }
         // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
-        // One relay does it for all.
-        if self.slot == 0 && Instant::now() >= self.next_housekeeping {
+        // One relay does it for all, whichever gets there first (a hung one is replaced).
+        if shmem::claim_housekeeping(HOUSEKEEPING_BUSY) {
             match self.housekeeping() {
                 Ok(busy) => {
-                    let every = if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) };
-                    self.next_housekeeping = Instant::now() + every;
+                    shmem::schedule_housekeeping(if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) })
                 }
                 Err(error) => return Some(self.failed(Health::DatabaseError(error))),
             }
         }
-        let until_housekeeping = if self.slot == 0 {
-            self.next_housekeeping.saturating_duration_since(Instant::now())
-        } else {
-            Duration::MAX
-        };
+        let until_housekeeping = shmem::until_housekeeping();
         if !guc::enabled() {
             self.set_health(Health::Disabled);
             return Some(poll.min(until_housekeeping));
@@ -181,9 +172,7 @@ impl Relay {
             fault: guc::fault_injection(),
         };
         let outcome = tick::tick(&mut self.sink, &settings);
-        if self.slot == 0 {
-            shmem::set_redis_connected(self.sink.is_connected());
-        }
+        shmem::set_redis_connected(self.sink.is_connected());
         match outcome {
             TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, .. } => {
                 self.recovered();
@@ -254,12 +243,12 @@ impl Relay {
     /// while it stays above), and a LOG line when it is back below.
     fn check_alert(&mut self, oldest_pending_age: Option<Duration>) {
         let Some(threshold) = guc::alert_age() else {
-            self.alerting_since_log = None;
+            shmem::set_alert_logged(false);
             return;
         };
         let above = oldest_pending_age.filter(|age| *age >= threshold);
-        match (above, self.alerting_since_log) {
-            (Some(age), last) if last.is_none_or(|logged| logged.elapsed() >= ALERT_REPEAT) => {
+        match (above, shmem::alert_logged_at()) {
+            (Some(age), last) if last.is_none_or(|since| since >= ALERT_REPEAT) => {
                 warning!(
                     "outbox_pg: oldest pending event is {} old, above outbox.alert_age ({}); the relay is {}",
                     human(age),
@@ -272,7 +261,7 @@ impl Relay {
                         Health::Healthy => "running; check failed events and per-aggregate backlogs".to_string(),
                     }
                 );
-                self.alerting_since_log = Some(Instant::now());
+                shmem::set_alert_logged(true);
             }
             (None, Some(_)) => {
                 log!(
@@ -280,7 +269,7 @@ impl Relay {
                     oldest_pending_age.map(human).unwrap_or_else(|| "0s (none pending)".into()),
                     human(threshold)
                 );
-                self.alerting_since_log = None;
+                shmem::set_alert_logged(false);
             }
             _ => {}
         }

@@ -199,6 +199,7 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings) -> TickOutcome {
                         broker_error.get_or_insert_with(|| BrokerError(error.clone()));
                         settlement.released.entry(error).or_default().push(event.id);
                     }
+                    EntryOutcome::NotSent => settlement.deferred.push(event.id),
                 }
             }
         }

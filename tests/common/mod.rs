@@ -8,8 +8,8 @@ use std::fs;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub const DEADLINE: Duration = Duration::from_secs(60);
@@ -369,4 +369,614 @@ pub fn status_counts(client: &mut postgres::Client) -> HashMap<String, i64> {
         .into_iter()
         .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1)))
         .collect()
+}
+
+// -------------------------------------------------------------------------------------------------
+// Fault injection (tests/faults.rs): standbys, killing the relay, producers that record the fate of
+// every transaction, and the invariant checker that compares that record with PostgreSQL and Redis.
+// -------------------------------------------------------------------------------------------------
+
+/// Connects to database `postgres` on `port` once, without retrying or panicking.
+pub fn try_connect(port: u16) -> Result<postgres::Client, postgres::Error> {
+    postgres::Client::connect(
+        &format!("host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=5"),
+        postgres::NoTls,
+    )
+}
+
+impl Cluster {
+    /// Pids of this cluster's processes of `backend_type` (e.g. `outbox_pg relay`).
+    pub fn backend_pids(&self, client: &mut postgres::Client, backend_type: &str) -> Vec<i32> {
+        client
+            .query("SELECT pid FROM pg_stat_activity WHERE backend_type = $1 ORDER BY pid", &[&backend_type])
+            .unwrap()
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect()
+    }
+
+    /// Sends SIGKILL to process `pid` (a backend or worker of this cluster). The postmaster then
+    /// resets the whole cluster: every connection is lost and crash recovery runs.
+    pub fn kill_9(&self, pid: i32) {
+        // SAFETY: kill(2) with a pid this test looked up in pg_stat_activity.
+        let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
+        assert_eq!(rc, 0, "kill -9 {pid}: {}", std::io::Error::last_os_error());
+    }
+
+    /// A hot standby of this cluster, made with `pg_basebackup -R` (the primary's settings,
+    /// `postgresql.auto.conf` included, plus `primary_conninfo` and `standby.signal`), on its own
+    /// port and socket directory, started and accepting read-only connections.
+    pub fn standby(&self) -> Cluster {
+        let dir = fresh_dir("sb");
+        let data = dir.join("data");
+        let mut backup = as_server_user(&pg_bindir().join("pg_basebackup"));
+        backup.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"]).arg("-D").arg(&data).args([
+            "-R",
+            "-X",
+            "stream",
+            "-c",
+            "fast",
+            "--no-sync",
+        ]);
+        run(backup, "pg_basebackup");
+        let port = free_port();
+        // Appended, so these win over the primary's values in the copied postgresql.conf.
+        let conf_path = data.join("postgresql.conf");
+        let mut conf = fs::read_to_string(&conf_path).unwrap();
+        conf.push_str(&format!(
+            "\n# outbox_pg tests: standby\nport = {port}\nunix_socket_directories = '{}'\nhot_standby = on\n",
+            dir.display()
+        ));
+        fs::write(&conf_path, conf).unwrap();
+        chown_to_server_user(&conf_path);
+        let standby = Cluster { dir, data, port };
+        standby.pg_ctl_start();
+        standby
+    }
+
+    /// Stops the server (`smart`, `fast` or `immediate`), giving pg_ctl `timeout`; `Err` with
+    /// pg_ctl's output when the server did not stop in time (it may still be shutting down).
+    pub fn pg_ctl_stop_within(&self, mode: &str, timeout: Duration) -> Result<(), String> {
+        let mut cmd = as_server_user(&pg_bindir().join("pg_ctl"));
+        cmd.arg("-D").arg(&self.data).args(["-w", "-t", &timeout.as_secs().max(1).to_string(), "-m", mode, "stop"]);
+        let out = cmd.output().map_err(|e| format!("pg_ctl: {e}"))?;
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(text)
+        }
+    }
+
+    /// Whether the server is (still) in recovery, i.e. a standby.
+    pub fn in_recovery(&self, client: &mut postgres::Client) -> bool {
+        client.query_one("SELECT pg_is_in_recovery()", &[]).unwrap().get(0)
+    }
+
+    /// Promotes this standby (`pg_promote`, waiting) and checks that it accepts writes.
+    pub fn promote(&self) {
+        let mut client = self.connect_eventually();
+        let promoted: bool = client.query_one("SELECT pg_promote(true, 60)", &[]).unwrap().get(0);
+        assert!(promoted, "pg_promote did not finish within 60 s");
+        wait_for(DEADLINE, "the promoted server to leave recovery", || (!self.in_recovery(&mut client)).then_some(()));
+    }
+
+    /// Waits until `standby` has replayed all WAL this cluster has flushed so far.
+    pub fn wait_replayed_by(&self, standby: &Cluster) {
+        let mut primary = self.connect_eventually();
+        let target: String = primary.query_one("SELECT pg_current_wal_flush_lsn()::text", &[]).unwrap().get(0);
+        let mut client = standby.connect_eventually();
+        wait_for(DEADLINE, &format!("the standby to replay up to {target}"), || {
+            client
+                .query_one("SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn", &[&target])
+                .unwrap()
+                .get::<_, Option<bool>>(0)
+                .unwrap_or(false)
+                .then_some(())
+        });
+    }
+}
+
+impl Redis {
+    /// Runs one command on a fresh connection.
+    pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
+        cmd.query(&mut self.connection()).unwrap_or_else(|e| panic!("redis command failed: {e}"))
+    }
+
+    /// Every key holding a stream.
+    pub fn stream_keys(&self) -> Vec<String> {
+        let mut connection = self.connection();
+        let mut keys = Vec::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(1000)
+                .arg("TYPE")
+                .arg("stream")
+                .query(&mut connection)
+                .unwrap();
+            keys.extend(batch);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    /// Entries in all streams together.
+    pub fn total_entries(&self) -> usize {
+        self.stream_keys().iter().map(|key| self.xlen(key)).sum()
+    }
+
+    /// `INFO memory`'s `used_memory`, in bytes.
+    pub fn used_memory(&self) -> u64 {
+        let info: String = self.query(redis::cmd("INFO").arg("memory"));
+        info.lines()
+            .find_map(|line| line.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("used_memory in INFO memory")
+    }
+}
+
+impl Env {
+    /// Like `start`, with extra redis-server arguments (e.g. `--appendonly yes`, so that a killed
+    /// Redis keeps what it acknowledged).
+    pub fn start_with_redis(redis_args: &[&str], extra: &[&str]) -> Env {
+        let redis = Redis::start_with(redis_args);
+        let pg = Cluster::start(redis.port, extra);
+        pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+        Env { redis, pg }
+    }
+}
+
+/// A small deterministic PRNG (xorshift64*), so that workloads need no extra crate.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// One event as its producer knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LedgerEvent {
+    pub event_id: String,
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+}
+
+/// What producers know about their transactions, one `Vec` of events per transaction:
+/// committed (COMMIT answered), rolled back (ROLLBACK, or an error before COMMIT was sent) and
+/// ambiguous (the connection broke while COMMIT was in flight: the outcome is unknown until the
+/// events are looked up in outbox.messages).
+#[derive(Default, Debug)]
+pub struct Ledger {
+    pub committed: Vec<Vec<LedgerEvent>>,
+    pub rolled_back: Vec<Vec<LedgerEvent>>,
+    pub ambiguous: Vec<Vec<LedgerEvent>>,
+}
+
+pub type SharedLedger = Arc<Mutex<Ledger>>;
+
+pub const ENQUEUE: &str = "SELECT outbox_enqueue($1, $2, $3, $4::text::jsonb, NULL, $5)::text";
+
+/// Enqueues one event in its own transaction and records it as committed.
+pub fn enqueue_recorded(
+    client: &mut postgres::Client,
+    ledger: &SharedLedger,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    stream: Option<&str>,
+) -> String {
+    let event_id: String =
+        client.query_one(ENQUEUE, &[&aggregate_type, &aggregate_id, &"scenario.event", &"{}", &stream]).unwrap().get(0);
+    ledger.lock().unwrap().committed.push(vec![LedgerEvent {
+        event_id: event_id.clone(),
+        aggregate_type: aggregate_type.to_string(),
+        aggregate_id: aggregate_id.to_string(),
+    }]);
+    event_id
+}
+
+/// What producer threads do: short transactions of 1..=`max_events_per_txn` events over a small
+/// set of aggregates shared by all producers (so they contend on the aggregates' sequence rows),
+/// some rolled back on purpose. Bounded by `max_txns` per producer and by `max_time`.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub producers: usize,
+    pub aggregate_types: Vec<&'static str>,
+    pub aggregates_per_type: u64,
+    pub max_events_per_txn: u64,
+    pub rollback_percent: u64,
+    pub max_txns: usize,
+    pub max_time: Duration,
+    /// Sleep between two transactions of one producer.
+    pub pause: Duration,
+    /// Padding added to each payload.
+    pub payload_padding: usize,
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Workload {
+            producers: 3,
+            aggregate_types: vec!["order", "payment"],
+            aggregates_per_type: 6,
+            max_events_per_txn: 3,
+            rollback_percent: 15,
+            max_txns: 1_000,
+            max_time: Duration::from_secs(90),
+            pause: Duration::from_millis(5),
+            payload_padding: 32,
+        }
+    }
+}
+
+/// Producer threads writing `Workload` transactions to the cluster on `port` until stopped,
+/// reconnecting whenever their connection breaks (server crash, restart), and recording every
+/// transaction's fate in the ledger.
+pub struct Producers {
+    stop: Arc<AtomicBool>,
+    committed: Arc<AtomicUsize>,
+    reconnects: Arc<AtomicUsize>,
+    running: Arc<AtomicUsize>,
+    handles: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// How one producer transaction ended.
+enum TxnOutcome {
+    Committed(Vec<LedgerEvent>),
+    RolledBack(Vec<LedgerEvent>),
+    Ambiguous(Vec<LedgerEvent>),
+}
+
+impl Producers {
+    pub fn start(port: u16, workload: Workload, ledger: SharedLedger) -> Producers {
+        let stop = Arc::new(AtomicBool::new(false));
+        let committed = Arc::new(AtomicUsize::new(0));
+        let reconnects = Arc::new(AtomicUsize::new(0));
+        let running = Arc::new(AtomicUsize::new(workload.producers));
+        let handles = (0..workload.producers)
+            .map(|p| {
+                let (stop, committed, reconnects, running, ledger, workload) = (
+                    stop.clone(),
+                    committed.clone(),
+                    reconnects.clone(),
+                    running.clone(),
+                    ledger.clone(),
+                    workload.clone(),
+                );
+                std::thread::spawn(move || {
+                    produce(p, port, &workload, &ledger, &stop, &committed, &reconnects);
+                    running.fetch_sub(1, Ordering::SeqCst);
+                })
+            })
+            .collect();
+        Producers { stop, committed, reconnects, running, handles }
+    }
+
+    /// Transactions committed so far, by all producers.
+    pub fn committed(&self) -> usize {
+        self.committed.load(Ordering::SeqCst)
+    }
+
+    /// Times a producer had to connect again after losing its connection.
+    pub fn reconnects(&self) -> usize {
+        self.reconnects.load(Ordering::SeqCst)
+    }
+
+    /// Waits until the producers have committed `more` transactions beyond what they had now.
+    pub fn wait_for_commits(&self, more: usize) {
+        let target = self.committed() + more;
+        wait_for(DEADLINE, &format!("producers to commit {target} transactions"), || {
+            assert!(
+                self.running.load(Ordering::SeqCst) > 0 || self.committed() >= target,
+                "the producers stopped (limits reached) at {} committed transactions, before {target}",
+                self.committed()
+            );
+            (self.committed() >= target).then_some(())
+        });
+    }
+
+    /// Stops the producers and waits for them.
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for handle in self.handles {
+            handle.join().expect("producer thread panicked");
+        }
+    }
+}
+
+fn produce(
+    producer: usize,
+    port: u16,
+    workload: &Workload,
+    ledger: &SharedLedger,
+    stop: &AtomicBool,
+    committed: &AtomicUsize,
+    reconnects: &AtomicUsize,
+) {
+    let started = Instant::now();
+    let mut rng = Rng::new(0x5EED ^ ((producer as u64) << 17) ^ u64::from(port));
+    let mut client: Option<postgres::Client> = None;
+    let mut connected_once = false;
+    let padding = "x".repeat(workload.payload_padding);
+    let mut txns = 0;
+    while !stop.load(Ordering::SeqCst) && txns < workload.max_txns && started.elapsed() < workload.max_time {
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            match try_connect(port) {
+                Ok(c) => {
+                    if connected_once {
+                        reconnects.fetch_add(1, Ordering::SeqCst);
+                    }
+                    connected_once = true;
+                    client = Some(c);
+                }
+                Err(_) => {
+                    // The server is restarting (crash recovery, immediate stop): try again soon.
+                    client = None;
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            }
+        }
+        let Some(c) = client.as_mut() else { continue };
+        let events = 1 + rng.below(workload.max_events_per_txn);
+        let mut aggregates: Vec<(&str, String)> = (0..events)
+            .map(|_| {
+                let t = workload.aggregate_types[rng.below(workload.aggregate_types.len() as u64) as usize];
+                (t, rng.below(workload.aggregates_per_type).to_string())
+            })
+            .collect();
+        // One lock order for the aggregates' sequence rows: producers wait for each other, never deadlock.
+        aggregates.sort();
+        let roll_back = rng.below(100) < workload.rollback_percent;
+        let payload = format!("{{\"producer\": {producer}, \"txn\": {txns}, \"pad\": \"{padding}\"}}");
+        let outcome = run_transaction(c, &aggregates, &payload, roll_back);
+        let mut ledger = ledger.lock().unwrap();
+        match outcome {
+            TxnOutcome::Committed(events) => {
+                ledger.committed.push(events);
+                committed.fetch_add(1, Ordering::SeqCst);
+            }
+            TxnOutcome::RolledBack(events) => ledger.rolled_back.push(events),
+            TxnOutcome::Ambiguous(events) => ledger.ambiguous.push(events),
+        }
+        drop(ledger);
+        txns += 1;
+        if !workload.pause.is_zero() {
+            std::thread::sleep(workload.pause);
+        }
+    }
+}
+
+fn run_transaction(
+    client: &mut postgres::Client,
+    aggregates: &[(&str, String)],
+    payload: &str,
+    roll_back: bool,
+) -> TxnOutcome {
+    let mut events = Vec::new();
+    let mut tx = match client.transaction() {
+        Ok(tx) => tx,
+        Err(_) => return TxnOutcome::RolledBack(events),
+    };
+    for (aggregate_type, aggregate_id) in aggregates {
+        let no_stream: Option<&str> = None;
+        match tx.query_one(ENQUEUE, &[aggregate_type, aggregate_id, &"test.event", &payload, &no_stream]) {
+            Ok(row) => events.push(LedgerEvent {
+                event_id: row.get(0),
+                aggregate_type: aggregate_type.to_string(),
+                aggregate_id: aggregate_id.clone(),
+            }),
+            // COMMIT was never sent: whatever this transaction wrote is gone.
+            Err(_) => return TxnOutcome::RolledBack(events),
+        }
+    }
+    if roll_back {
+        // Even if the connection breaks here, COMMIT was never sent.
+        let _ = tx.rollback();
+        return TxnOutcome::RolledBack(events);
+    }
+    match tx.commit() {
+        Ok(()) => TxnOutcome::Committed(events),
+        // The server may have committed before the connection broke (or before it reported a
+        // crash of another process): only outbox.messages can tell.
+        Err(_) => TxnOutcome::Ambiguous(events),
+    }
+}
+
+/// Waits until the outbox has nothing pending or in flight.
+pub fn wait_drained(client: &mut postgres::Client) {
+    wait_for(DEADLINE, "outbox.stats to show nothing pending or publishing", || {
+        let row = client.query_one("SELECT pending, publishing FROM outbox.stats", &[]).unwrap();
+        (row.get::<_, i64>(0) == 0 && row.get::<_, i64>(1) == 0).then_some(())
+    });
+}
+
+/// What a scenario permits.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Expect {
+    /// At-least-once duplicates (same event_id, same fields) may appear: the scenario crashes a
+    /// process or loses a connection between an XADD and its settlement.
+    pub duplicates: bool,
+}
+
+/// What the checker found.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub committed_txns: usize,
+    pub committed_events: usize,
+    pub rolled_back_events: usize,
+    pub ambiguous_committed: usize,
+    pub ambiguous_rolled_back: usize,
+    pub delivered: usize,
+    pub duplicates: usize,
+    pub entries: usize,
+    pub aggregates: usize,
+}
+
+/// The invariant checker. Resolves ambiguous transactions by looking their events up, waits until
+/// the outbox has drained, then asserts against outbox.messages and every stream in Redis:
+/// - outbox.messages holds exactly the committed events (none rolled back, none unknown), all
+///   `published`, and each aggregate's `aggregate_seq` are 1..n;
+/// - every committed event is in its stream (zero loss), no rolled-back or unknown event is in any
+///   stream, and every entry carries exactly the row's fields (duplicates included);
+/// - duplicates only when `expect.duplicates`;
+/// - per aggregate, the first occurrences of its events come in `aggregate_seq` order 1, 2, ... n.
+///
+/// Assumes the default `outbox.stream` template (`outbox:{aggregate_type}`).
+pub fn check_invariants(scenario: &str, pg: &Cluster, redis: &Redis, ledger: &SharedLedger, expect: Expect) -> Report {
+    let mut client = pg.connect_eventually();
+    let mut ledger = ledger.lock().unwrap();
+    let mut report = Report::default();
+
+    // Ambiguous commits: all of a transaction's events are in outbox.messages, or none.
+    for events in std::mem::take(&mut ledger.ambiguous) {
+        let ids: Vec<String> = events.iter().map(|e| e.event_id.clone()).collect();
+        let found: i64 = client
+            .query_one("SELECT count(*) FROM outbox.messages WHERE event_id::text = ANY ($1)", &[&ids])
+            .unwrap()
+            .get(0);
+        if found == ids.len() as i64 {
+            report.ambiguous_committed += 1;
+            ledger.committed.push(events);
+        } else {
+            assert_eq!(found, 0, "[{scenario}] a transaction was partly committed: {found} of {ids:?}");
+            report.ambiguous_rolled_back += 1;
+            ledger.rolled_back.push(events);
+        }
+    }
+    let committed: HashMap<String, LedgerEvent> =
+        ledger.committed.iter().flatten().map(|e| (e.event_id.clone(), e.clone())).collect();
+    let rolled_back: std::collections::HashSet<String> =
+        ledger.rolled_back.iter().flatten().map(|e| e.event_id.clone()).collect();
+    report.committed_txns = ledger.committed.len();
+    report.committed_events = committed.len();
+    report.rolled_back_events = rolled_back.len();
+    drop(ledger);
+
+    wait_drained(&mut client);
+
+    // The rows, with the fields their stream entries must carry.
+    let rows = client
+        .query(
+            "SELECT id::text, event_id::text, aggregate_type, aggregate_id, aggregate_seq, event_type, payload::text,
+                    headers::text, coalesce(stream, 'outbox:' || aggregate_type), status,
+                    to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
+               FROM outbox.messages",
+            &[],
+        )
+        .unwrap();
+    let mut expected: HashMap<String, (String, HashMap<String, String>)> = HashMap::new();
+    let mut seqs: HashMap<(String, String), Vec<i64>> = HashMap::new();
+    for row in rows {
+        let event_id: String = row.get(1);
+        let (aggregate_type, aggregate_id, seq): (String, String, i64) = (row.get(2), row.get(3), row.get(4));
+        let status: String = row.get(9);
+        assert!(!rolled_back.contains(&event_id), "[{scenario}] rolled-back event {event_id} is in outbox.messages");
+        let known = committed.get(&event_id);
+        assert!(known.is_some(), "[{scenario}] outbox.messages holds event {event_id}, which nobody committed");
+        let known = known.unwrap();
+        assert_eq!(
+            (&known.aggregate_type, &known.aggregate_id),
+            (&aggregate_type, &aggregate_id),
+            "[{scenario}] event {event_id} has another aggregate than enqueued"
+        );
+        assert_eq!(status, "published", "[{scenario}] event {event_id} ({aggregate_type}/{aggregate_id} #{seq})");
+        let mut fields: HashMap<String, String> = [
+            ("event_id", event_id.clone()),
+            ("outbox_id", row.get(0)),
+            ("aggregate_type", aggregate_type.clone()),
+            ("aggregate_id", aggregate_id.clone()),
+            ("aggregate_seq", seq.to_string()),
+            ("event_type", row.get(5)),
+            ("payload", row.get(6)),
+            ("created_at", row.get(10)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        if let Some(headers) = row.get::<_, Option<String>>(7) {
+            fields.insert("headers".into(), headers);
+        }
+        seqs.entry((aggregate_type, aggregate_id)).or_default().push(seq);
+        expected.insert(event_id, (row.get(8), fields));
+    }
+    for id in committed.keys() {
+        assert!(expected.contains_key(id), "[{scenario}] committed event {id} is missing from outbox.messages");
+    }
+    for ((aggregate_type, aggregate_id), seqs) in &mut seqs {
+        seqs.sort_unstable();
+        let want: Vec<i64> = (1..=seqs.len() as i64).collect();
+        assert_eq!(seqs, &want, "[{scenario}] aggregate_seq of {aggregate_type}/{aggregate_id} are not 1..n");
+    }
+    report.aggregates = seqs.len();
+
+    // Every stream in Redis.
+    let mut first_seen: HashMap<String, usize> = HashMap::new();
+    let mut last_seq: HashMap<(String, String, String), i64> = HashMap::new();
+    for stream in redis.stream_keys() {
+        for (position, entry) in redis.entries(&stream).into_iter().enumerate() {
+            report.entries += 1;
+            let event_id = entry.get("event_id").cloned().unwrap_or_default();
+            assert!(!rolled_back.contains(&event_id), "[{scenario}] rolled-back event {event_id} reached {stream}");
+            let Some((want_stream, fields)) = expected.get(&event_id) else {
+                panic!("[{scenario}] stream {stream} holds an unknown event: {entry:?}");
+            };
+            assert_eq!(&stream, want_stream, "[{scenario}] event {event_id} went to the wrong stream");
+            assert_eq!(&entry, fields, "[{scenario}] entry {position} of {stream} differs from its row");
+            if first_seen.insert(event_id.clone(), position).is_some() {
+                report.duplicates += 1;
+                assert!(expect.duplicates, "[{scenario}] event {event_id} delivered twice to {stream}");
+                continue;
+            }
+            let key = (stream.clone(), fields["aggregate_type"].clone(), fields["aggregate_id"].clone());
+            let seq: i64 = fields["aggregate_seq"].parse().unwrap();
+            let previous = last_seq.insert(key.clone(), seq).unwrap_or(0);
+            assert_eq!(
+                seq,
+                previous + 1,
+                "[{scenario}] {}/{} in {stream}: first occurrence of aggregate_seq {seq} (event {event_id}, \
+                 entry {position}) follows aggregate_seq {previous}",
+                key.1,
+                key.2
+            );
+        }
+    }
+    report.delivered = first_seen.len();
+    let missing: Vec<&String> = committed.keys().filter(|id| !first_seen.contains_key(*id)).collect();
+    assert!(missing.is_empty(), "[{scenario}] {} committed events never reached Redis: {missing:?}", missing.len());
+    eprintln!(
+        "[{scenario}] committed {} transactions / {} events over {} aggregates; rolled back {} events; \
+         ambiguous commits: {} committed, {} rolled back; delivered {} distinct events in {} entries ({} duplicates)",
+        report.committed_txns,
+        report.committed_events,
+        report.aggregates,
+        report.rolled_back_events,
+        report.ambiguous_committed,
+        report.ambiguous_rolled_back,
+        report.delivered,
+        report.entries,
+        report.duplicates
+    );
+    report
 }
