@@ -428,3 +428,21 @@ fn claims_of_an_exited_process_are_returned_and_delivered() {
     let attempts: i64 = client.query_one("SELECT sum(attempts) FROM outbox.messages", &[]).unwrap().get(0);
     assert_eq!(attempts, 6, "one claim by the exited process and one by the relay each");
 }
+
+#[test]
+fn switching_from_one_broken_redis_to_another_is_reported_as_a_new_outage() {
+    let env = Env::start(&["outbox.redis_timeout = '500ms'"]);
+    let mut client = env.pg.connect();
+    env.pg.set(&mut client, &[("outbox.redis_url", "redis://127.0.0.1:1")]);
+    enqueue(&mut client, "switch", "1", "{}");
+    wait_for(DEADLINE, "the first outage", || {
+        env.pg.log().contains("cannot publish to Redis at 127.0.0.1:1:").then_some(())
+    });
+    env.pg.set(&mut client, &[("outbox.redis_url", "redis://127.0.0.1:2")]);
+    wait_for(DEADLINE, "the second outage, naming the new target", || {
+        env.pg.log().contains("cannot publish to Redis at 127.0.0.1:2:").then_some(())
+    });
+    env.pg.set(&mut client, &[("outbox.redis_url", &env.redis.url())]);
+    env.redis.wait_for_entries("outbox:switch", 1);
+    assert_eq!(env.pg.log().matches("cannot publish to Redis at 127.0.0.1:1:").count(), 1);
+}

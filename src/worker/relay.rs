@@ -45,11 +45,14 @@ enum Health {
 }
 
 struct Relay {
-    /// Which of the `outbox.workers` relays this is; slot 0 also does the housekeeping.
+    /// Which of the `outbox.workers` relays this is.
     slot: usize,
     sink: RedisSink,
     backoff: Backoff,
     health: Health,
+    /// The Redis the current outage concerns, so that a reload pointing at another (also broken)
+    /// Redis is reported as a new outage rather than swallowed as the same one.
+    outage_target: Option<String>,
     retry_at: Option<Instant>,
     database: String,
 }
@@ -88,6 +91,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         sink: RedisSink::new(),
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
         health: Health::Healthy,
+        outage_target: None,
         retry_at: None,
         database: guc::database(),
     };
@@ -293,12 +297,15 @@ impl Relay {
         if let Health::BrokerDown(error) | Health::DatabaseError(error) = &health {
             shmem::set_last_error(error);
         }
+        let target = self.sink.describe();
         // One state per kind of trouble: a Redis going from "connection reset" to "connection
-        // refused" is still the same outage.
-        if std::mem::discriminant(&health) == std::mem::discriminant(&self.health) {
+        // refused" is still the same outage; another Redis failing is a new one.
+        let same_target =
+            !matches!(health, Health::BrokerDown(_)) || self.outage_target.as_deref() == Some(target.as_str());
+        if std::mem::discriminant(&health) == std::mem::discriminant(&self.health) && same_target {
             return;
         }
-        let target = self.sink.describe();
+        self.outage_target = matches!(health, Health::BrokerDown(_)).then(|| target.clone());
         match &health {
             Health::Healthy => match &self.health {
                 Health::BrokerDown(_) => log!(
