@@ -2,6 +2,7 @@
 # Runs every benchmark side by side in one go and writes bench/results/{report.md,results.json,latency.svg}:
 #   bash bench/run.sh            # full run (about 5 minutes)
 #   bash bench/run.sh --quick    # smaller numbers, for a smoke test
+#   BENCH_MODE=sustained bash bench/run.sh --rate 1000 --minutes 5   # latency and table size minute by minute
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default
 # synchronous_commit) with outbox_pg preloaded and a private Redis on free loopback ports.
 set -euo pipefail
@@ -21,7 +22,9 @@ cargo build --release -p outbox-bench >/dev/null 2>&1 || cargo build --release -
 
 start_private_servers "max_worker_processes = 16" "shared_buffers = '512MB'" "max_wal_size = '4GB'"
 
-./target/release/outbox-bench all --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
+./target/release/outbox-bench "${BENCH_MODE:-all}" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
   --redis "redis://127.0.0.1:$REDIS_PORT" --pgbench "$PG_BIN/pgbench" --out "$OUT" "$@"
-echo "== $OUT/report.md"
-cat "$OUT/report.md"
+if [ "${BENCH_MODE:-all}" = all ]; then
+  echo "== $OUT/report.md"
+  cat "$OUT/report.md"
+fi

@@ -22,6 +22,8 @@ struct Args {
     out: String,
     quick: bool,
     batch: i32,
+    rate: u32,
+    minutes: u32,
 }
 
 fn parse_args() -> Result<Args> {
@@ -35,6 +37,8 @@ fn parse_args() -> Result<Args> {
         out: "bench/results".into(),
         quick: false,
         batch: 1000,
+        rate: 1000,
+        minutes: 5,
     };
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -44,6 +48,8 @@ fn parse_args() -> Result<Args> {
             "--pgbench" => parsed.pgbench = value()?,
             "--out" => parsed.out = value()?,
             "--batch" => parsed.batch = value()?.parse().map_err(|e| format!("--batch: {e}"))?,
+            "--rate" => parsed.rate = value()?.parse().map_err(|e| format!("--rate: {e}"))?,
+            "--minutes" => parsed.minutes = value()?.parse().map_err(|e| format!("--minutes: {e}"))?,
             "--quick" => parsed.quick = true,
             other => return Err(format!("unknown argument {other:?}").into()),
         }
@@ -58,6 +64,7 @@ fn main() {
     let result = parse_args().and_then(|args| match args.command.as_str() {
         "all" => run_all(&args),
         "baseline-relay" => baseline_relay(&args),
+        "sustained" => sustained(&args),
         other => Err(format!("unknown command {other:?}").into()),
     });
     if let Err(error) = result {
@@ -458,6 +465,50 @@ unsafe fn libc_sysconf_clk_tck() -> i64 {
     }
     // _SC_CLK_TCK is 2 on Linux.
     unsafe { sysconf(2) }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Sustained: the latency scenario minute after minute, with the outbox's size after each minute.
+// ------------------------------------------------------------------------------------------------
+
+fn sustained(args: &Args) -> Result<()> {
+    let mut admin = pg(&args.pg)?;
+    admin.batch_execute(
+        "CREATE TABLE IF NOT EXISTS bench_payments (id bigserial PRIMARY KEY, payer text NOT NULL,
+                                                    amount numeric(12,2) NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+    )?;
+    let mut md = format!(
+        "# Sustained run: {} events/s for {} minutes\n\n{}, default retention (7 days: nothing is deleted yet).\n\n\
+         | minute | events | p50 | p99 | max | outbox.messages size | dead tuples | pending at end |\n|---|---|---|---|---|---|---|---|\n",
+        args.rate,
+        args.minutes,
+        machine_facts(&mut admin)?
+    );
+    let mut rows = Vec::new();
+    for minute in 1..=args.minutes {
+        let window = latency(args, args.rate, 60)?;
+        admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
+        let row = admin.query_one(
+            "SELECT pg_size_pretty(pg_total_relation_size('outbox.messages')), pg_stat_get_dead_tuples('outbox.messages'::regclass),
+                    (SELECT pending FROM outbox.stats)",
+            &[],
+        )?;
+        let (size, dead, pending): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        let (p50, p99) = (percentile(&window.samples_ms, 50.0), percentile(&window.samples_ms, 99.0));
+        let max = window.samples_ms.last().copied().unwrap_or(f64::NAN);
+        eprintln!("minute {minute}: p50 {p50:.2} ms, p99 {p99:.2} ms, size {size}, dead {dead}, pending {pending}");
+        md.push_str(&format!(
+            "| {minute} | {} | {p50:.2} ms | {p99:.2} ms | {max:.2} ms | {size} | {dead} | {pending} |\n",
+            window.samples_ms.len()
+        ));
+        rows.push(serde_json::json!({"minute": minute, "events": window.samples_ms.len(), "missing": window.missing,
+                                     "p50_ms": p50, "p99_ms": p99, "max_ms": max, "size": size, "dead_tuples": dead}));
+    }
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(format!("{}/sustained.md", args.out), md)?;
+    std::fs::write(format!("{}/sustained.json", args.out), serde_json::to_string_pretty(&rows)?)?;
+    eprintln!("wrote {0}/sustained.md, {0}/sustained.json", args.out);
+    Ok(())
 }
 
 // ------------------------------------------------------------------------------------------------
