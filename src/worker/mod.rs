@@ -1,5 +1,5 @@
-//! The background workers: a launcher (no database) that supervises one relay (connected to
-//! `outbox.database`) which claims, publishes and settles events. See docs/worker.md.
+//! The background workers: a launcher (no database) that supervises `outbox.workers` relays
+//! (connected to `outbox.database`) which claim, publish and settle events. See docs/worker.md.
 
 pub mod backoff;
 pub mod launcher;

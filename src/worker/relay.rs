@@ -297,15 +297,19 @@ impl Relay {
         if let Health::BrokerDown(error) | Health::DatabaseError(error) = &health {
             shmem::set_last_error(error);
         }
-        let target = self.sink.describe();
         // One state per kind of trouble: a Redis going from "connection reset" to "connection
-        // refused" is still the same outage; another Redis failing is a new one.
-        let same_target =
-            !matches!(health, Health::BrokerDown(_)) || self.outage_target.as_deref() == Some(target.as_str());
-        if std::mem::discriminant(&health) == std::mem::discriminant(&self.health) && same_target {
+        // refused" is still the same outage; another Redis failing is a new one. Checked before
+        // describing the target, since every healthy round passes through here.
+        let same_kind = std::mem::discriminant(&health) == std::mem::discriminant(&self.health);
+        let outage = matches!(health, Health::BrokerDown(_));
+        if same_kind && !outage {
             return;
         }
-        self.outage_target = matches!(health, Health::BrokerDown(_)).then(|| target.clone());
+        let target = self.sink.describe();
+        if same_kind && self.outage_target.as_deref() == Some(target.as_str()) {
+            return;
+        }
+        self.outage_target = outage.then(|| target.clone());
         match &health {
             Health::Healthy => match &self.health {
                 Health::BrokerDown(_) => log!(
