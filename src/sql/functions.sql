@@ -478,6 +478,46 @@ $fn$;
 COMMENT ON FUNCTION outbox.skip_failed(bigint[]) IS
     'Marks these failed events skipped (never delivered), releasing the later events of their aggregates; returns how many';
 
+-- outbox.aggregates remembers the last aggregate_seq of every aggregate ever seen, so that no
+-- aggregate's numbering ever restarts: consumers may use aggregate_seq as a version ("apply only if
+-- newer"), and a restart at 1 would make them drop every later event. The price is one small row
+-- per distinct aggregate, kept after retention. A DBA who knows that no consumer compares
+-- aggregate_seq across long silences can forget the aggregates that have no event left in the
+-- outbox: their next event starts again at 1. Returns how many were forgotten.
+--
+-- An aggregate being enqueued right now is never forgotten: one whose row an enqueue holds is
+-- skipped (SKIP LOCKED), and one whose counter moved after this statement's snapshot fails the
+-- re-check after locking (`seen` keeps the value the snapshot saw, `live` is re-read).
+CREATE FUNCTION outbox.forget_aggregates()
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+-- Admins may read but not change the counters; forgetting them is done as owner.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    forgotten bigint;
+BEGIN
+    DELETE FROM outbox.aggregates a
+     USING (SELECT live.aggregate_type, live.aggregate_id
+              FROM outbox.aggregates live
+              JOIN outbox.aggregates seen
+                ON seen.aggregate_type = live.aggregate_type AND seen.aggregate_id = live.aggregate_id
+             WHERE live.last_seq = seen.last_seq
+               AND NOT EXISTS (SELECT 1
+                                 FROM outbox.messages m
+                                WHERE m.aggregate_type = seen.aggregate_type
+                                  AND m.aggregate_id = seen.aggregate_id)
+               FOR UPDATE OF live SKIP LOCKED) idle
+     WHERE a.aggregate_type = idle.aggregate_type AND a.aggregate_id = idle.aggregate_id;
+    GET DIAGNOSTICS forgotten = ROW_COUNT;
+    RETURN forgotten;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.forget_aggregates() IS
+    'Deletes the aggregate_seq counters of aggregates with no event left in the outbox (their numbering restarts at 1); returns how many';
+
 -- Deletes published (and skipped) events whose published_at is older than older_than; '0' deletes
 -- them all. Failed and undelivered events are never deleted. Returns how many rows it deleted.
 CREATE FUNCTION outbox.purge(older_than interval)
@@ -603,8 +643,10 @@ REVOKE ALL ON FUNCTION outbox._purge_batch(integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.retry_failed(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.skip_failed(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.purge(interval) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.forget_aggregates() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.retry_failed(bigint[]) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox.skip_failed(bigint[]) TO outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox.purge(interval) TO outbox_admin;
+GRANT EXECUTE ON FUNCTION outbox.forget_aggregates() TO outbox_admin;
 GRANT SELECT ON outbox.stats TO outbox_admin, pg_monitor;
 GRANT USAGE ON SCHEMA outbox TO pg_monitor;

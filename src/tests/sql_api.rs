@@ -368,6 +368,42 @@ fn purge_deletes_only_old_published_and_skipped_rows() {
     assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE");
 }
 
+fn aggregate_counters() -> String {
+    Spi::get_one::<String>(
+        "SELECT coalesce(string_agg(aggregate_id || ':' || last_seq, ',' ORDER BY aggregate_id), '') FROM outbox.aggregates",
+    )
+    .unwrap()
+    .unwrap()
+}
+
+#[pg_test]
+fn retention_keeps_sequence_counters_until_an_admin_forgets_idle_aggregates() {
+    for id in ["a", "a", "b", "c"] {
+        Spi::run(&format!("SELECT outbox_enqueue('f', '{id}', 'e', '{{}}')")).unwrap();
+    }
+    let ids = ids_where("true");
+    // a#1 and b#1 published long ago, a#2 published now, c#1 pending.
+    Spi::run(&format!(
+        "UPDATE outbox.messages SET status = 'published', published_at = now() - interval '10 days' WHERE id IN ({}, {});
+         UPDATE outbox.messages SET status = 'published', published_at = now() WHERE id = {};",
+        ids[0], ids[2], ids[1]
+    ))
+    .unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(7 * 86400, 10)").unwrap(), Some(2));
+    // Retention leaves every counter: b, with no event left, still continues at 2.
+    assert_eq!(aggregate_counters(), "a:2,b:1,c:1");
+    Spi::run("SELECT outbox_enqueue('f', 'b', 'e', '{}')").unwrap();
+    assert_eq!(aggregate_counters(), "a:2,b:2,c:1");
+    // Once b's events are gone too, forget_aggregates drops exactly the aggregates with no event
+    // left; b then starts again at 1, a and c are untouched.
+    Spi::run("DELETE FROM outbox.messages WHERE aggregate_id = 'b'").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(1));
+    assert_eq!(aggregate_counters(), "a:2,c:1");
+    Spi::run("SELECT outbox_enqueue('f', 'b', 'e', '{}')").unwrap();
+    assert_eq!(aggregate_counters(), "a:2,b:1,c:1");
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(0));
+}
+
 #[pg_test]
 fn stats_counts_exactly_and_reports_the_oldest_pending_age() {
     assert_eq!(
@@ -406,6 +442,7 @@ fn writers_enqueue_without_reading_and_only_admins_operate() {
         "SELECT count(*) FROM outbox.messages",
         "SELECT outbox.retry_failed()",
         "SELECT outbox.purge('0')",
+        "SELECT outbox.forget_aggregates()",
         "SELECT * FROM outbox.stats",
         "SELECT count(*) FROM outbox._claim_batch(1, true)",
     ] {
@@ -424,6 +461,8 @@ fn writers_enqueue_without_reading_and_only_admins_operate() {
     assert_eq!(Spi::get_one::<i64>("SELECT pending FROM outbox.stats").unwrap(), Some(1));
     assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(0));
     assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
+    // The writer's aggregate still has its event: nothing to forget.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(0));
     let (sqlstate, _) = error_of("SELECT outbox_enqueue('sec', 3, 'e', '{}')");
     assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
     let (sqlstate, _) = error_of("SELECT count(*) FROM outbox._claim_batch(1, true)");
