@@ -2,9 +2,11 @@
 # Runs every benchmark side by side in one go and writes bench/results/{report.md,results.json,latency.svg}:
 #   bash bench/run.sh            # full run (about 5 minutes)
 #   bash bench/run.sh --quick    # smaller numbers, for a smoke test
-#   BENCH_MODE=sustained bash bench/run.sh --rate 1000 --minutes 5   # latency and table size minute by minute
+#   BENCH_MODE=sustained bash bench/run.sh --rate 5000 --minutes 30 [--retention 5min]   # latency, rate reached
+#                                    # and table size minute by minute
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default
-# synchronous_commit) with outbox_pg preloaded and a private Redis on free loopback ports.
+# synchronous_commit) with outbox_pg preloaded and a private Redis on free loopback ports; their logs
+# (slow autovacuums and lock waits included) stay in $BENCH_DIR (default /tmp/opg-bench) afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,7 +22,8 @@ echo "== building (release): extension and benchmark"
 cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null
 cargo build --release -p outbox-bench >/dev/null 2>&1 || cargo build --release -p outbox-bench
 
-start_private_servers "max_worker_processes = 16" "shared_buffers = '512MB'" "max_wal_size = '4GB'"
+start_private_servers "max_worker_processes = 16" "shared_buffers = '512MB'" "max_wal_size = '4GB'" \
+  "log_autovacuum_min_duration = '1s'" "log_lock_waits = on"
 
 ./target/release/outbox-bench "${BENCH_MODE:-all}" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
   --redis "redis://127.0.0.1:$REDIS_PORT" --pgbench "$PG_BIN/pgbench" --out "$OUT" "$@"

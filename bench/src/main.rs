@@ -488,8 +488,14 @@ fn sustained(args: &Args) -> Result<()> {
         }
         None => "default retention (7 days: nothing is deleted yet)".to_string(),
     };
+    let command = format!(
+        "BENCH_MODE=sustained bash bench/run.sh --rate {} --minutes {}{}",
+        args.rate,
+        args.minutes,
+        args.retention.as_ref().map(|r| format!(" --retention {r}")).unwrap_or_default()
+    );
     let mut md = format!(
-        "# Sustained run: {} events/s for {} minutes\n\n{}, {retention}.\n\n\
+        "# Sustained run: {} events/s for {} minutes\n\nMade with `{command}`.\n\n{}, {retention}.\n\n\
          | minute | events | achieved events/s | p50 | p99 | max | outbox.messages size | dead tuples | pending at end |\n|---|---|---|---|---|---|---|---|---|\n",
         args.rate,
         args.minutes,
