@@ -81,6 +81,10 @@ static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
 /// logs a WARNING (on crossing, then at most once a minute); 0 disables.
 static ALERT_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 
+/// `outbox.log_min_duration` (default 1s, reload): relay rounds and housekeeping passes that take
+/// at least this long are logged with the time of each phase; -1 disables.
+static LOG_MIN_DURATION_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+
 /// Failures the relay can be told to inject, for tests and the demo.
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
 pub enum FaultInjection {
@@ -259,6 +263,16 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::UNIT_S,
     );
+    GucRegistry::define_int_guc(
+        c"outbox.log_min_duration",
+        c"Relay rounds and housekeeping passes taking at least this long are logged with their phases; -1 disables.",
+        c"A round is claim, publish to Redis and settle; housekeeping is the reaper, the age check and retention.",
+        &LOG_MIN_DURATION_MS,
+        -1,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
     GucRegistry::define_enum_guc(
         c"outbox.fault_injection",
         c"Failure the relay injects, for tests and demos: none or crash_after_publish.",
@@ -349,6 +363,11 @@ pub fn retention_s() -> Option<i32> {
 /// `None` when alerting is off.
 pub fn alert_age() -> Option<Duration> {
     Some(ALERT_AGE_S.get()).filter(|&s| s > 0).map(|s| Duration::from_secs(s as u64))
+}
+
+/// `None` when slow-round logging is off.
+pub fn log_min_duration() -> Option<Duration> {
+    Some(LOG_MIN_DURATION_MS.get()).filter(|&ms| ms >= 0).map(|ms| Duration::from_millis(ms as u64))
 }
 
 pub fn fault_injection() -> FaultInjection {

@@ -446,3 +446,28 @@ fn switching_from_one_broken_redis_to_another_is_reported_as_a_new_outage() {
     env.redis.wait_for_entries("outbox:switch", 1);
     assert_eq!(env.pg.log().matches("cannot publish to Redis at 127.0.0.1:1:").count(), 1);
 }
+
+#[test]
+fn a_slow_round_is_logged_with_the_time_of_each_phase() {
+    let env = Env::start(&["outbox.log_min_duration = '300ms'"]);
+    let mut client = env.pg.connect();
+    enqueue(&mut client, "slow", "0", "{}");
+    env.redis.wait_for_entries("outbox:slow", 1);
+
+    // Redis holds writes for 1.5 s (shorter than outbox.redis_timeout): the round succeeds, late.
+    env.redis.query::<()>(redis::cmd("CLIENT").arg("PAUSE").arg(1_500).arg("WRITE"));
+    enqueue(&mut client, "slow", "1", "{}");
+    env.redis.wait_for_entries("outbox:slow", 2);
+    let line = wait_for(DEADLINE, "the slow round's LOG line", || {
+        env.pg.log().lines().find(|line| line.contains("outbox_pg: slow round")).map(str::to_string)
+    });
+    assert!(line.contains("(1 claimed, 1 published)"), "{line}");
+    let publish_ms: f64 = line
+        .split("publish to Redis ")
+        .nth(1)
+        .and_then(|rest| rest.split(" ms").next())
+        .and_then(|ms| ms.parse().ok())
+        .unwrap_or_else(|| panic!("no publish time in {line}"));
+    assert!(publish_ms >= 300.0, "the pause is in the publish phase: {line}");
+    assert!(line.contains("above outbox.log_min_duration (300.0 ms)"), "{line}");
+}

@@ -13,7 +13,7 @@ use crate::guc::{self, FaultInjection};
 use crate::shmem;
 use crate::sink::redis::{RedisConfig, RedisSink};
 use crate::worker::backoff::Backoff;
-use crate::worker::tick::{self, TickOutcome, TickSettings};
+use crate::worker::tick::{self, RoundTimings, TickOutcome, TickSettings};
 
 /// Delay of the first retry after Redis or the database failed; doubles up to `BACKOFF_CAP`.
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
@@ -152,7 +152,18 @@ impl Relay {
         // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
         // One relay does it for all, whichever gets there first (a hung one is replaced).
         if shmem::claim_housekeeping(HOUSEKEEPING_BUSY) {
-            match self.housekeeping() {
+            let started = Instant::now();
+            let done = self.housekeeping();
+            if let Some(threshold) = guc::log_min_duration() {
+                if started.elapsed() >= threshold {
+                    log!(
+                        "outbox_pg: slow housekeeping: {} (reaper, age check and retention), above outbox.log_min_duration ({})",
+                        millis(started.elapsed()),
+                        millis(threshold)
+                    );
+                }
+            }
+            match done {
                 Ok(busy) => {
                     shmem::schedule_housekeeping(if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) })
                 }
@@ -175,8 +186,10 @@ impl Relay {
             retry_delay_ms: guc::retry_delay_ms(),
             fault: guc::fault_injection(),
         };
-        let outcome = tick::tick(&mut self.sink, &settings);
+        let mut timings = RoundTimings::default();
+        let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
         shmem::set_redis_connected(self.sink.is_connected());
+        log_if_slow_round(&outcome, &timings);
         match outcome {
             TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, .. } => {
                 self.recovered();
@@ -363,6 +376,36 @@ fn seed() -> u64 {
 }
 
 /// Shows what the relay is doing in `pg_stat_activity` (state and query).
+/// `outbox.log_min_duration`: one LOG line for a round that took at least that long, with the time
+/// of each phase, so that a stall can be placed (the database, Redis, or settling).
+fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
+    let Some(threshold) = guc::log_min_duration() else {
+        return;
+    };
+    if timings.total() < threshold {
+        return;
+    }
+    let events = match outcome {
+        TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
+        TickOutcome::BrokerDown { published, .. } => format!("{published} published before Redis failed"),
+        TickOutcome::Idle => "nothing pending".to_string(),
+        TickOutcome::ExtensionMissing => "extension missing".to_string(),
+        TickOutcome::DatabaseError(_) => "database error".to_string(),
+    };
+    log!(
+        "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",
+        millis(timings.total()),
+        millis(timings.claim),
+        millis(timings.publish),
+        millis(timings.settle),
+        millis(threshold)
+    );
+}
+
+fn millis(duration: Duration) -> String {
+    format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
+}
+
 fn report_activity(publishing: bool) {
     let (state, text) = if publishing {
         (pg_sys::BackendState::STATE_RUNNING, c"outbox_pg: publishing")

@@ -3,6 +3,7 @@
 //! outcome alone decides what the main loop does next.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
 
@@ -166,9 +167,26 @@ fn settle(settlement: Settlement, settings: &TickSettings) -> Result<i64, String
     })
 }
 
-/// One round: claim, publish, settle.
-pub fn tick(sink: &mut RedisSink, settings: &TickSettings) -> TickOutcome {
-    let events = match claim(settings.batch_size, settings.in_order) {
+/// How long each phase of a round took, for `outbox.log_min_duration`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RoundTimings {
+    pub claim: Duration,
+    pub publish: Duration,
+    pub settle: Duration,
+}
+
+impl RoundTimings {
+    pub fn total(&self) -> Duration {
+        self.claim + self.publish + self.settle
+    }
+}
+
+/// One round: claim, publish, settle. `timings` receives the time of each phase that ran.
+pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTimings) -> TickOutcome {
+    let started = Instant::now();
+    let claimed_events = claim(settings.batch_size, settings.in_order);
+    timings.claim = started.elapsed();
+    let events = match claimed_events {
         Err(error) => return TickOutcome::DatabaseError(error),
         Ok(None) => return TickOutcome::ExtensionMissing,
         Ok(Some(events)) if events.is_empty() => return TickOutcome::Idle,
@@ -186,7 +204,10 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings) -> TickOutcome {
 
     let mut broker_error = None;
     let mut last_rejection = None;
-    match sink.publish(&events, &settings.stream_template, settings.stream_maxlen) {
+    let started = Instant::now();
+    let sent = sink.publish(&events, &settings.stream_template, settings.stream_maxlen);
+    timings.publish = started.elapsed();
+    match sent {
         Ok(outcomes) => {
             for (event, outcome) in events.iter().zip(outcomes) {
                 match outcome {
@@ -217,7 +238,10 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings) -> TickOutcome {
     let rejected = settlement.rejected.values().map(Vec::len).sum();
     // If settling fails the rows stay `publishing` until their lease expires and are then
     // published again: a duplicate, never a loss.
-    let dead_lettered = match settle(settlement, settings) {
+    let started = Instant::now();
+    let settled = settle(settlement, settings);
+    timings.settle = started.elapsed();
+    let dead_lettered = match settled {
         Ok(dead_lettered) => dead_lettered,
         Err(error) => return TickOutcome::DatabaseError(error),
     };
