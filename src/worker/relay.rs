@@ -154,7 +154,7 @@ impl Relay {
         if shmem::claim_housekeeping(HOUSEKEEPING_BUSY) {
             let started = Instant::now();
             let done = self.housekeeping();
-            if let Some(threshold) = guc::log_min_duration() {
+            if let (Ok(_), Some(threshold)) = (&done, guc::log_min_duration()) {
                 if started.elapsed() >= threshold {
                     log!(
                         "outbox_pg: slow housekeeping: {} (reaper, age check and retention), above outbox.log_min_duration ({})",
@@ -375,9 +375,9 @@ fn seed() -> u64 {
     nanos ^ (unsafe { pg_sys::MyProcPid } as u64).rotate_left(32)
 }
 
-/// Shows what the relay is doing in `pg_stat_activity` (state and query).
 /// `outbox.log_min_duration`: one LOG line for a round that took at least that long, with the time
-/// of each phase, so that a stall can be placed (the database, Redis, or settling).
+/// of each phase, so that a stall can be placed (the database, Redis, or settling). Failed rounds
+/// are left out: an outage is reported once by its WARNING, not once per retry.
 fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
     let Some(threshold) = guc::log_min_duration() else {
         return;
@@ -387,10 +387,8 @@ fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
     }
     let events = match outcome {
         TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
-        TickOutcome::BrokerDown { published, .. } => format!("{published} published before Redis failed"),
         TickOutcome::Idle => "nothing pending".to_string(),
-        TickOutcome::ExtensionMissing => "extension missing".to_string(),
-        TickOutcome::DatabaseError(_) => "database error".to_string(),
+        TickOutcome::BrokerDown { .. } | TickOutcome::ExtensionMissing | TickOutcome::DatabaseError(_) => return,
     };
     log!(
         "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",
@@ -406,6 +404,7 @@ fn millis(duration: Duration) -> String {
     format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
 }
 
+/// Shows what the relay is doing in `pg_stat_activity` (state and query).
 fn report_activity(publishing: bool) {
     let (state, text) = if publishing {
         (pg_sys::BackendState::STATE_RUNNING, c"outbox_pg: publishing")
