@@ -8,7 +8,7 @@ mod outbox {
     use pgrx::pg_sys::panic::ErrorReport;
     use pgrx::prelude::*;
 
-    use crate::{guc, shmem, wake};
+    use crate::{claims, guc, shmem, wake};
 
     /// Generates a UUIDv7: time-ordered, so the unique index on `event_id` grows at its right edge
     /// (like the id index) instead of touching a random page per insert.
@@ -51,7 +51,56 @@ mod outbox {
         crate::preloaded() && shmem::redis_connected()
     }
 
-    /// The relay's state as `outbox.stats` shows it: pid, Redis health, latest error.
+    /// Ids of the events relays have claimed (in shared memory) and not settled yet, claims older
+    /// than `outbox.lease` left out. `outbox._claim_batch` skips them; call it holding the claim
+    /// lock, as that function does.
+    #[pg_extern(volatile, parallel_unsafe, name = "_relay_claims")]
+    fn relay_claims() -> Vec<i64> {
+        if !crate::preloaded() {
+            return Vec::new();
+        }
+        let mut ids: Vec<i64> = claims::in_flight_elsewhere(None, guc::lease()).into_iter().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// One row per running relay: its slot, pid, and the claim it holds in shared memory (events
+    /// it is publishing right now; `claim_expired` once older than `outbox.lease`, when other
+    /// relays publish them again). A relay whose claim stays old is hung.
+    #[allow(clippy::type_complexity)] // the column list of a set-returning SQL function
+    #[pg_extern(volatile, parallel_safe)]
+    fn relays() -> TableIterator<
+        'static,
+        (
+            name!(slot, i32),
+            name!(pid, i32),
+            name!(claimed, i64),
+            name!(claimed_at, Option<TimestampWithTimeZone>),
+            name!(claim_expired, bool),
+        ),
+    > {
+        if !crate::preloaded() {
+            return TableIterator::new(Vec::new());
+        }
+        let held = claims::held(guc::lease());
+        let rows: Vec<_> = (0..shmem::MAX_RELAYS)
+            .filter_map(|slot| {
+                let pid = shmem::relay_pid_in(slot)?;
+                let claim = held.iter().find(|(held_slot, ..)| *held_slot == slot);
+                Some((
+                    slot as i32,
+                    pid,
+                    claim.map_or(0, |(_, count, ..)| *count as i64),
+                    claim.and_then(|(_, _, at, _)| TimestampWithTimeZone::try_from(*at).ok()),
+                    claim.is_some_and(|(.., expired)| *expired),
+                ))
+            })
+            .collect();
+        TableIterator::new(rows)
+    }
+
+    /// The relay's state as `outbox.stats` shows it: pid, Redis health, latest error, and how many
+    /// events the relays hold claimed in shared memory.
     #[allow(clippy::type_complexity)] // the column list of a set-returning SQL function
     #[pg_extern(volatile, parallel_safe)]
     fn relay_status() -> TableIterator<
@@ -62,17 +111,24 @@ mod outbox {
             name!(redis_connected, bool),
             name!(last_error, Option<String>),
             name!(last_error_at, Option<TimestampWithTimeZone>),
+            name!(in_flight, i64),
         ),
     > {
-        let (pid, workers, connected, error) = if crate::preloaded() {
-            (shmem::relay_pid(), shmem::relays_running(), shmem::redis_connected(), shmem::last_error())
+        let (pid, workers, connected, error, in_flight) = if crate::preloaded() {
+            (
+                shmem::relay_pid(),
+                shmem::relays_running(),
+                shmem::redis_connected(),
+                shmem::last_error(),
+                claims::in_flight_count(guc::lease()),
+            )
         } else {
-            (None, 0, false, None)
+            (None, 0, false, None, 0)
         };
         let (message, at) = match error {
             Some((message, at)) => (Some(message), TimestampWithTimeZone::try_from(at).ok()),
             None => (None, None),
         };
-        TableIterator::once((pid, workers, connected, message, at))
+        TableIterator::once((pid, workers, connected, message, at, in_flight))
     }
 }

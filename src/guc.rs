@@ -47,8 +47,9 @@ static STREAM_MAXLEN: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// as JSON text, that `outbox_enqueue` accepts.
 static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 
-/// `outbox.lease` (default 30s, reload): how long a claimed row may stay `publishing` before it
-/// is returned to `pending` (its relay died, hung or lost its connection).
+/// `outbox.lease` (default 30s, reload): how long a claim may go unsettled before its events are
+/// claimed again by others (its relay or session hung or lost its connection). A relay's claim
+/// lives in shared memory; a session's claim is a `publishing` row, returned to `pending`.
 static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
 /// How events of one aggregate are ordered on their way to Redis.
@@ -207,8 +208,8 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.lease",
-        c"How long a claimed event may stay publishing before it is returned to pending.",
-        c"Claims of a relay that exited are returned at once; this bounds claims of a hung one.",
+        c"How long a claim may go unsettled before its events are claimed again.",
+        c"Claims of a relay or session that exited are released at once; this bounds claims of a hung one.",
         &LEASE_MS,
         1_000,
         86_400_000,
@@ -341,6 +342,10 @@ pub fn max_payload_size() -> i32 {
 
 pub fn lease_ms() -> i32 {
     LEASE_MS.get()
+}
+
+pub fn lease() -> std::time::Duration {
+    std::time::Duration::from_millis(LEASE_MS.get().max(1) as u64)
 }
 
 pub fn ordering() -> Ordering {

@@ -5,6 +5,7 @@
 //! - `guc`: every `outbox.*` setting.
 //! - `api`: SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
 //! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
+//! - `claims`: the relays' claims, held in shared memory rather than written to the table.
 //! - `worker`: the launcher and relay background workers.
 //! - `sink`: the only code that speaks to Redis; `entry`: a row as a stream entry.
 #![forbid(unsafe_op_in_unsafe_fn)]
@@ -14,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pgrx::prelude::*;
 
 mod api;
+mod claims;
 mod entry;
 mod guc;
 mod shmem;
@@ -51,6 +53,7 @@ pub extern "C-unwind" fn _PG_init() {
         return;
     }
     shmem::init();
+    claims::init();
     wake::init();
     worker::launcher::register();
     PRELOADED.store(true, Ordering::Relaxed);

@@ -386,7 +386,7 @@ fn redis_flapping_at_its_memory_limit_keeps_per_aggregate_order() {
         })
     };
     env.pg.set(&mut client, &[("outbox.enabled", "on")]);
-    // Every claim counts an attempt: wait for a few rounds beyond the first.
+    // Every settled attempt counts: wait for a few rounds beyond the first.
     let oom_rounds = wait_for(DEADLINE, "the relay to run into OOM several times", || {
         let retried = count(
             &mut client,
@@ -487,9 +487,9 @@ fn promoted_hot_standby_relays_what_the_old_primary_committed() {
 
 /// Failover to a synchronous standby while the primary's relay is mid-drain: every commit the
 /// producers saw acknowledged is on the standby. The relay commits asynchronously, so its latest
-/// claims and marks may or may not have reached the standby: rows the standby sees `publishing`
-/// (claimed by a process that does not exist there) must be returned to pending by the promoted
-/// server's relay, and entries already in Redis are published again (duplicates, never a loss).
+/// marks may or may not have reached the standby. A relay's claim lives in the primary's shared
+/// memory, so the rows it was publishing are pending on the standby, and the promoted server's
+/// relay publishes them again (duplicates, never a loss).
 #[test]
 fn failover_to_a_synchronous_standby_while_the_primary_relay_is_mid_drain() {
     let env = Env::start(&["outbox.batch_size = 20", "outbox.poll_interval = '100ms'"]);
@@ -509,21 +509,18 @@ fn failover_to_a_synchronous_standby_while_the_primary_relay_is_mid_drain() {
 
     let mut replica = standby.connect();
     assert_no_outbox_workers(&mut replica);
-    let in_flight = count(&mut replica, "SELECT count(*) FROM outbox.messages WHERE status = 'publishing'");
+    let pending = count(&mut replica, "SELECT count(*) FROM outbox.messages WHERE status = 'pending'");
+    let claimed = count(&mut replica, "SELECT count(*) FROM outbox.messages WHERE status = 'publishing'");
+    assert_eq!(claimed, 0, "relays claim in shared memory, never in the table");
     drop(replica);
     standby.promote();
     producers.stop();
     let mut promoted = standby.connect();
     standby.relay_pid(&mut promoted);
-    if in_flight > 0 {
-        wait_for(DEADLINE, "the promoted server to return the dead relay's claims", || {
-            standby.log().contains("claimed events to pending").then_some(())
-        });
-    }
     let more = Producers::start(standby.port, Workload { max_txns: 30, ..workload() }, ledger.clone());
     more.wait_for_commits(20);
     more.stop();
-    eprintln!("primary killed with relay {relay} mid-drain ({grown} entries in); {in_flight} rows were in flight");
+    eprintln!("primary killed with relay {relay} mid-drain ({grown} entries in); {pending} rows were pending");
     check_invariants("failover mid-drain", &standby, &env.redis, &ledger, Expect { duplicates: true });
 }
 
@@ -600,10 +597,10 @@ impl Drop for Stopped {
     }
 }
 
-/// One of two relays hangs (SIGSTOP) while it holds claims. The other relay keeps publishing; the
-/// hung relay's claims must come back after `outbox.lease` ("a claim older than this returns to
-/// pending", README) so that its aggregates are not stuck behind it, and every event is delivered
-/// while it is still hung. When it wakes up, its stale batch may add duplicates, never reorder.
+/// One of two relays hangs (SIGSTOP) while it holds a claim. The other relay keeps publishing; the
+/// hung relay's claim must be ignored after `outbox.lease` (README) so that its aggregates are not
+/// stuck behind it, and every event is delivered while it is still hung. When it wakes up, its
+/// stale batch may add duplicates, never reorder.
 fn hung_relay_scenario(slot: usize) {
     let env = Env::start(&[
         "outbox.workers = 2",
@@ -632,30 +629,26 @@ fn hung_relay_scenario(slot: usize) {
             return None;
         }
         let held: i64 = client
-            .query_one("SELECT count(*) FROM outbox.messages WHERE status = 'publishing' AND claimed_by = $1", &[&hung])
+            .query_one("SELECT coalesce(sum(claimed), 0)::bigint FROM outbox.relays() WHERE pid = $1", &[&hung])
             .unwrap()
             .get(0);
         (held > 0).then_some((stopped, held))
     });
     producers.wait_for_commits(20);
     producers.stop();
-    // Everything is delivered while it is still hung: its claims expire and the other relay takes them.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let still: i64 = client
-            .query_one("SELECT count(*) FROM outbox.messages WHERE status = 'publishing' AND claimed_by = $1", &[&hung])
-            .unwrap()
-            .get(0);
-        if still == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the {held} claims of hung relay {slot} were not returned within 20 s (lease 2 s); relays:\n{}",
-            relay_activity(&mut client)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // Everything is delivered while it is still hung: its claim expires and the other relay
+    // publishes those events again.
+    let expired = format!("relay {slot} has held its claim of {held} events");
+    wait_for(Duration::from_secs(20), &format!("relay {slot}'s claim to expire (lease 2 s)"), || {
+        env.pg.log().contains(&expired).then_some(())
+    });
+    let listed: bool =
+        client.query_one("SELECT claim_expired FROM outbox.relays() WHERE pid = $1", &[&hung]).unwrap().get(0);
+    assert!(
+        listed,
+        "outbox.relays() shows the hung relay's claim as expired; relays:\n{}",
+        relay_activity(&mut client)
+    );
     wait_drained(&mut client);
     drop(stopped);
     eprintln!("relay {slot} (pid {hung}) hung holding {held} claims");

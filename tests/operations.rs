@@ -184,7 +184,7 @@ fn crash_between_publish_and_mark_redelivers_with_the_same_event_id() {
         assert!(times_seen.contains_key(id), "lost {id}");
     }
     assert!(times_seen.values().any(|&n| n >= 2), "the crash must produce a duplicate: {times_seen:?}");
-    assert!(env.pg.log().contains("returned"), "the new relay returned the dead relay's claims");
+    // The dead relay's claim (in shared memory) was released as it exited; nothing to reap.
     // It fired once: later events are delivered once.
     let id: String = client.query_one("SELECT outbox_enqueue('crash', 2, 'e', '{}')::text", &[]).unwrap().get(0);
     let entries = env.redis.wait_for_entries("outbox:crash", entries.len() + 1);
@@ -465,12 +465,14 @@ fn the_claim_keeps_its_index_order_plan_when_statistics_are_stale() {
     for _ in 0..6 {
         let claimed = claim.query("SELECT id FROM outbox._claim_batch(100, true)", &[]).unwrap();
         assert!(!claimed.is_empty());
+        let read = claim.query("SELECT id FROM outbox._relay_batch(100, true)", &[]).unwrap();
+        assert!(!read.is_empty());
     }
     claim.rollback().unwrap();
 
     let log = env.pg.log();
     let plans: Vec<&str> = log.split("Query Text: WITH candidates AS").skip(1).collect();
-    assert!(plans.len() >= 6, "auto_explain logged the claim's plans: {}", plans.len());
+    assert!(plans.len() >= 12, "auto_explain logged both claims' plans: {}", plans.len());
     for plan in plans {
         let plan = plan.split("CONTEXT:").next().unwrap_or(plan);
         assert!(plan.contains("Index Scan using messages_pending_idx"), "the claim walks the pending index:\n{plan}");

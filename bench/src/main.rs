@@ -301,16 +301,53 @@ fn drain_baseline(args: &Args, events: i64, processes: usize) -> Result<f64> {
     Ok(rate)
 }
 
+/// The claim an external relay runs: what `outbox._claim_batch` does, minus the claim lock and the
+/// skipping of rows held by in-server relays, which only matter when those run (they are paused
+/// here) and which a hand-written relay would not have. With them, several external processes would
+/// take turns claiming instead of claiming side by side (SKIP LOCKED).
+const BASELINE_CLAIM: &str = "
+WITH candidates AS (
+    SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
+      FROM outbox.messages m
+     WHERE m.status = 'pending'
+       AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
+       AND NOT EXISTS (
+               SELECT 1 FROM outbox.messages e
+                WHERE e.aggregate_type = m.aggregate_type AND e.aggregate_id = m.aggregate_id
+                  AND e.aggregate_seq < m.aggregate_seq AND e.status IN ('pending', 'publishing', 'failed')
+                  AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))
+                OFFSET 0)
+     ORDER BY m.id
+     LIMIT $1::integer
+       FOR UPDATE SKIP LOCKED
+),
+claimable AS (
+    SELECT c.id FROM candidates c
+     WHERE NOT EXISTS (
+               SELECT 1 FROM outbox.messages e
+                WHERE e.aggregate_type = c.aggregate_type AND e.aggregate_id = c.aggregate_id
+                  AND e.aggregate_seq < c.aggregate_seq AND e.status IN ('pending', 'publishing', 'failed')
+                  AND e.id NOT IN (SELECT x.id FROM candidates x)
+                OFFSET 0)
+)
+UPDATE outbox.messages m
+   SET status = 'publishing', claimed_at = clock_timestamp(), claimed_by = pg_backend_pid(), attempts = m.attempts + 1
+  FROM claimable c
+ WHERE m.id = c.id
+RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
+          m.payload::text, m.headers::text, m.stream,
+          to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')";
+
 /// The relay users would otherwise write: a separate process that, over client connections,
-/// claims with the same statement (FOR UPDATE SKIP LOCKED, per-aggregate order), XADDs the batch in
-/// one pipeline and marks it published in one statement. It exits when nothing is left to claim.
+/// claims with the same choice of rows (FOR UPDATE SKIP LOCKED, per-aggregate order) marking them
+/// `publishing`, XADDs the batch in one pipeline and marks it published in one statement. It exits
+/// when nothing is left to claim.
 fn baseline_relay(args: &Args) -> Result<()> {
     let mut client = pg(&args.pg)?;
+    // As the in-server relay's functions do: no JIT, no sort (see outbox._claim_batch).
+    client.batch_execute("SET jit = off; SET enable_sort = off")?;
     let mut con = redis_connection(&args.redis)?;
-    let claim = client.prepare(
-        "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, stream, created_at
-           FROM outbox._claim_batch($1, true)",
-    )?;
+    let claim = client.prepare(BASELINE_CLAIM)?;
     let mark = client.prepare("SELECT outbox._mark_published($1)")?;
     let mut empty_rounds = 0;
     loop {

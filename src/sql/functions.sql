@@ -201,14 +201,23 @@ COMMENT ON FUNCTION outbox.purge_processed(interval) IS
 -- from PUBLIC.
 -- ---------------------------------------------------------------------------------------------
 
+-- Two ways to claim, excluding each other through the claim lock (a transaction-level advisory
+-- lock, key (1869968482, 1), "outb" in ASCII) and through what they record:
+-- * The relay workers read a batch with _relay_batch, which writes nothing: the ids go into the
+--   relay's slot in shared memory before the reading transaction commits (src/claims.rs), and the
+--   rows stay pending until the mark. One row write per event instead of two.
+-- * A session (an external relay, a tool, a test) calls _claim_batch, which marks the rows
+--   publishing and leaves any row a relay holds in shared memory alone.
+--
 -- Claims up to batch_size pending rows, oldest first, and marks them publishing. SKIP LOCKED lets
--- several relays (or sessions) claim at once and get disjoint batches. The caller commits before
--- talking to Redis, so no row lock is held across network I/O.
+-- several sessions claim at once and get disjoint batches. The caller commits before talking to
+-- Redis, so no row lock is held across network I/O.
 --
 -- With in_order (outbox.ordering = 'aggregate'), a row is claimable only when every earlier event
 -- of its aggregate is delivered or claimed in this same batch: an earlier event that is publishing
--- elsewhere, backing off, failed, or skipped by SKIP LOCKED holds the later ones back, and nothing
--- else. Rows held back are filtered before the LIMIT, so they never crowd out other aggregates.
+-- elsewhere (in the table or in a relay's claim), backing off, failed, or skipped by SKIP LOCKED
+-- holds the later ones back, and nothing else. Rows held back are filtered before the LIMIT, so
+-- they never crowd out other aggregates.
 CREATE FUNCTION outbox._claim_batch(batch_size integer, in_order boolean DEFAULT true)
 RETURNS TABLE (
     id             bigint,
@@ -236,13 +245,19 @@ SET jit = off
 SET enable_sort = off
 AS $fn$
 #variable_conflict use_column
+DECLARE
+    held_by_relays bigint[];
 BEGIN
+    -- Held to commit: no relay claims between our reading of its claims and our commit.
+    PERFORM pg_catalog.pg_advisory_xact_lock(1869968482, 1);
+    held_by_relays := outbox._relay_claims();
     RETURN QUERY
         WITH candidates AS (
             SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
               FROM outbox.messages m
              WHERE m.status = 'pending'
                AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
+               AND m.id <> ALL (held_by_relays)
                AND (NOT in_order OR NOT EXISTS (
                        SELECT 1
                          FROM outbox.messages e
@@ -283,7 +298,74 @@ $fn$;
 COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
     'Relay internal: claims up to batch_size pending events (oldest first, FOR UPDATE SKIP LOCKED, per-aggregate order when in_order) and returns them ready to publish';
 
--- Settles rows that Redis accepted.
+-- The relay workers' claim: the same choice of rows as _claim_batch, but read without writing or
+-- locking anything. The caller holds the claim lock, has read the other relays' claims before
+-- this statement's snapshot, drops the rows they hold (with the rest of those aggregates' runs),
+-- and records its own in shared memory before committing (src/worker/tick.rs). batch_size is
+-- raised by the caller by the number of rows held elsewhere, which may come back and be dropped.
+CREATE FUNCTION outbox._relay_batch(batch_size integer, in_order boolean DEFAULT true)
+RETURNS TABLE (
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    aggregate_seq  bigint,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+-- As for _claim_batch: never JIT, never sort (stale statistics must not change the plan).
+SET jit = off
+SET enable_sort = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        WITH candidates AS (
+            SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
+              FROM outbox.messages m
+             WHERE m.status = 'pending'
+               AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
+               AND (NOT in_order OR NOT EXISTS (
+                       SELECT 1
+                         FROM outbox.messages e
+                        WHERE e.aggregate_type = m.aggregate_type
+                          AND e.aggregate_id = m.aggregate_id
+                          AND e.aggregate_seq < m.aggregate_seq
+                          AND e.status IN ('pending', 'publishing', 'failed')
+                          AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))))
+             ORDER BY m.id
+             LIMIT batch_size
+        ),
+        claimable AS (
+            SELECT c.id
+              FROM candidates c
+             WHERE NOT in_order OR NOT EXISTS (
+                       SELECT 1
+                         FROM outbox.messages e
+                        WHERE e.aggregate_type = c.aggregate_type
+                          AND e.aggregate_id = c.aggregate_id
+                          AND e.aggregate_seq < c.aggregate_seq
+                          AND e.status IN ('pending', 'publishing', 'failed')
+                          AND e.id NOT IN (SELECT x.id FROM candidates x))
+        )
+        SELECT m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
+               m.payload::text, m.headers::text, m.stream,
+               to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+          FROM claimable c
+          JOIN outbox.messages m ON m.id = c.id;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._relay_batch(integer, boolean) IS
+    'Relay internal: reads up to batch_size claimable pending events (oldest first, per-aggregate order when in_order) without writing; the relay records the claim in shared memory';
+
+-- Settles rows that Redis accepted: rows a session claimed (publishing) and rows a relay claimed in
+-- shared memory (still pending; their attempt is counted here, since their claim wrote nothing).
 CREATE FUNCTION outbox._mark_published(ids bigint[])
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -295,9 +377,10 @@ DECLARE
 BEGIN
     WITH settled AS (
         UPDATE outbox.messages m
-           SET status = 'published', published_at = clock_timestamp(), last_error = NULL
+           SET status = 'published', published_at = clock_timestamp(), last_error = NULL,
+               attempts = m.attempts + (m.status = 'pending')::integer
           FROM unnest(ids) AS settled_id(id)
-         WHERE m.id = settled_id.id AND m.status = 'publishing'
+         WHERE m.id = settled_id.id AND m.status IN ('publishing', 'pending')
         RETURNING 1
     )
     SELECT count(*) INTO affected FROM settled;
@@ -325,6 +408,7 @@ BEGIN
     WITH rejected AS (
         UPDATE outbox.messages m
            SET rejections = m.rejections + 1,
+               attempts = m.attempts + (m.status = 'pending')::integer,
                last_error = error,
                status = CASE WHEN m.rejections + 1 >= max_attempts THEN 'failed' ELSE 'pending' END,
                failed_at = CASE WHEN m.rejections + 1 >= max_attempts THEN clock_timestamp() END,
@@ -333,7 +417,7 @@ BEGIN
                claimed_at = NULL,
                claimed_by = NULL
           FROM unnest(ids) AS rejected_id(id)
-         WHERE m.id = rejected_id.id AND m.status = 'publishing'
+         WHERE m.id = rejected_id.id AND m.status IN ('publishing', 'pending')
         RETURNING m.status
     )
     SELECT count(*) FILTER (WHERE status = 'failed') INTO affected FROM rejected;
@@ -344,34 +428,7 @@ $fn$;
 COMMENT ON FUNCTION outbox._reject(bigint[], text, integer, integer) IS
     'Relay internal: records a rejection by Redis of these events, backs them off, dead-letters those at max_attempts';
 
--- Returns claimed rows the relay decided not to send this round, as if never claimed.
-CREATE FUNCTION outbox._unclaim(ids bigint[])
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
--- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
--- which takes longer than running them: never JIT them.
-SET jit = off
-AS $fn$
-DECLARE
-    affected bigint;
-BEGIN
-    WITH unclaimed AS (
-        UPDATE outbox.messages m
-           SET status = 'pending', claimed_at = NULL, claimed_by = NULL, attempts = m.attempts - 1
-          FROM unnest(ids) AS unclaimed_id(id)
-         WHERE m.id = unclaimed_id.id AND m.status = 'publishing'
-        RETURNING 1
-    )
-    SELECT count(*) INTO affected FROM unclaimed;
-    RETURN affected;
-END
-$fn$;
-
-COMMENT ON FUNCTION outbox._unclaim(bigint[]) IS
-    'Relay internal: returns claimed events it did not send this round to pending, untouched';
-
--- Returns claimed rows to pending, recording why the publish failed.
+-- Returns claimed rows to pending (or leaves a relay's there), recording why the publish failed.
 CREATE FUNCTION outbox._release(ids bigint[], error text)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -383,9 +440,10 @@ DECLARE
 BEGIN
     WITH released AS (
         UPDATE outbox.messages m
-           SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error
+           SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error,
+               attempts = m.attempts + (m.status = 'pending')::integer
           FROM unnest(ids) AS released_id(id)
-         WHERE m.id = released_id.id AND m.status = 'publishing'
+         WHERE m.id = released_id.id AND m.status IN ('publishing', 'pending')
         RETURNING 1
     )
     SELECT count(*) INTO affected FROM released;
@@ -431,10 +489,11 @@ COMMENT ON FUNCTION outbox._reap_expired(integer) IS
 
 REVOKE ALL ON FUNCTION outbox._reap_expired(integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._reject(bigint[], text, integer, integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._unclaim(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_batch(integer, boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._relay_batch(integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._mark_published(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._release(bigint[], text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._relay_claims() FROM PUBLIC;
 
 -- ---------------------------------------------------------------------------------------------
 -- Operations: dead letters, retention, health.
@@ -617,8 +676,11 @@ COMMENT ON FUNCTION outbox.oldest_pending_age() IS
 
 CREATE VIEW outbox.stats AS
 SELECT
-    (SELECT count(*) FROM outbox.messages m WHERE m.status = 'pending')    AS pending,
-    (SELECT count(*) FROM outbox.messages m WHERE m.status = 'publishing') AS publishing,
+    -- A relay's claim lives in shared memory and leaves its rows pending: count them as publishing.
+    greatest((SELECT count(*) FROM outbox.messages m WHERE m.status = 'pending') - r.in_flight, 0)
+                                                                            AS pending,
+    (SELECT count(*) FROM outbox.messages m WHERE m.status = 'publishing') + r.in_flight
+                                                                            AS publishing,
     (SELECT count(*) FROM outbox.messages m WHERE m.status = 'failed')     AS failed,
     greatest(pg_stat_get_live_tuples('outbox.messages'::regclass)
              - (SELECT count(*) FROM outbox.messages m WHERE m.status IN ('pending', 'publishing', 'failed')), 0)

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
+use crate::claims;
 use crate::guc::{self, FaultInjection};
 use crate::shmem;
 use crate::sink::redis::{RedisConfig, RedisSink};
@@ -81,6 +82,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         };
     }
     shmem::register_relay(slot);
+    claims::clear(slot);
     // A (re)started relay first returns the claims its predecessor left behind.
     shmem::schedule_housekeeping(Duration::ZERO);
     // SAFETY: `forget_relay` matches pg_on_exit_callback and only touches shared atomics.
@@ -178,6 +180,8 @@ impl Relay {
 
         report_activity(true);
         let settings = TickSettings {
+            slot: self.slot,
+            lease: guc::lease(),
             batch_size: guc::batch_size(),
             stream_template: guc::stream_template(),
             stream_maxlen: guc::stream_maxlen(),
@@ -238,6 +242,13 @@ impl Relay {
             log!(
                 "outbox_pg: returned {} claimed events to pending (their claim expired or their relay exited); they will be published again",
                 found.reaped
+            );
+        }
+        for (slot, events, age) in claims::newly_expired(guc::lease()) {
+            log!(
+                "outbox_pg: relay {slot} has held its claim of {events} events for {} without settling it, longer than outbox.lease ({}); other relays publish them again",
+                human(age),
+                human(guc::lease())
             );
         }
         self.check_alert(found.oldest_pending_age);
@@ -417,6 +428,8 @@ fn report_activity(publishing: bool) {
 
 #[pg_guard]
 unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
+    // Its unsettled events are pending: the others may claim them at once.
+    claims::clear(slot.value());
     shmem::unregister_relay(slot.value());
 }
 

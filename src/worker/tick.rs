@@ -1,12 +1,14 @@
-//! One round of the relay: claim a batch (and commit), publish it to Redis (no transaction open),
-//! settle the rows (second short transaction). No signal handling and no waiting here, so that the
+//! One round of the relay: claim a batch (a reading transaction that records the claim in shared
+//! memory), publish it to Redis (no transaction open), settle the rows (one short transaction that
+//! writes each row once), release the claim. No signal handling and no waiting here, so that the
 //! outcome alone decides what the main loop does next.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
 
+use crate::claims;
 use crate::entry::OutboxEvent;
 use crate::guc::FaultInjection;
 use crate::shmem;
@@ -16,6 +18,10 @@ use crate::worker::txn;
 /// What the relay needs to know for one round; read from the settings before each round.
 #[derive(Debug, Clone)]
 pub struct TickSettings {
+    /// This relay's slot: where its claim is recorded.
+    pub slot: usize,
+    /// Claims of other relays older than this are ignored (`outbox.lease`).
+    pub lease: Duration,
     pub batch_size: usize,
     pub stream_template: String,
     pub stream_maxlen: Option<u64>,
@@ -37,7 +43,7 @@ pub enum TickOutcome {
     Idle,
     /// The extension is not installed in the relay's database (yet, or any more).
     ExtensionMissing,
-    /// Redis failed as a whole; the claimed rows went back to pending. Some rows may have been
+    /// Redis failed as a whole; the claimed rows stay pending. Some rows may have been
     /// published before the failure was noticed.
     BrokerDown { error: BrokerError, published: usize },
     /// The database refused a statement (e.g. during DROP EXTENSION); nothing was lost.
@@ -46,11 +52,10 @@ pub enum TickOutcome {
 
 const EXTENSION_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_pg')";
 const CLAIM: &str = "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
-                     stream, created_at FROM outbox._claim_batch($1, $2)";
+                     stream, created_at FROM outbox._relay_batch($1, $2)";
 const MARK_PUBLISHED: &str = "SELECT outbox._mark_published($1)";
 const RELEASE: &str = "SELECT outbox._release($1, $2)";
 const REJECT: &str = "SELECT outbox._reject($1, $2, $3, $4)";
-const UNCLAIM: &str = "SELECT outbox._unclaim($1)";
 const REAP: &str = "SELECT outbox._reap_expired($1)";
 
 /// What the relay's periodic housekeeping found.
@@ -89,24 +94,38 @@ fn extension_installed() -> Result<bool, pgrx::spi::Error> {
     Ok(Spi::get_one::<bool>(EXTENSION_INSTALLED)?.unwrap_or(false))
 }
 
-/// Claims up to `batch_size` pending events and commits the claim. `Ok(None)` when the extension
-/// is not installed: that is only looked up after the claim failed, so the common round costs one
-/// statement.
-fn claim(batch_size: usize, in_order: bool) -> Result<Option<Vec<OutboxEvent>>, String> {
-    match claim_rows(batch_size, in_order) {
+/// Claims up to `batch_size` pending events for the relay in `settings.slot`. `Ok(None)` when the
+/// extension is not installed: that is only looked up after the claim failed, so the common round
+/// costs one statement.
+fn claim(settings: &TickSettings) -> Result<Option<Vec<OutboxEvent>>, String> {
+    match claim_rows(settings) {
         Ok(events) => Ok(Some(events)),
-        Err(error) => match txn::run(extension_installed) {
-            Ok(false) => Ok(None),
-            _ => Err(error),
-        },
+        Err(error) => {
+            // The claim may have been recorded before the commit failed.
+            claims::clear(settings.slot);
+            match txn::run(extension_installed) {
+                Ok(false) => Ok(None),
+                _ => Err(error),
+            }
+        }
     }
 }
 
-fn claim_rows(batch_size: usize, in_order: bool) -> Result<Vec<OutboxEvent>, String> {
-    let batch_size = batch_size as i32;
+/// The claim writes nothing to the table: under the claim lock, it reads which rows the other
+/// relays hold, then (with a snapshot taken after that) the oldest claimable rows, drops those held
+/// elsewhere, and records the rest in this relay's slot before committing. See src/claims.rs for
+/// why that cannot hand a row to two relays.
+fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
+    let (slot, lease, batch_size, in_order) = (settings.slot, settings.lease, settings.batch_size, settings.in_order);
     txn::run(move || -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
-        Spi::connect_mut(|client| {
-            let rows = client.update(CLAIM, None, &[batch_size.into(), in_order.into()])?;
+        Spi::run(claims::CLAIM_LOCK_SQL)?;
+        let held_elsewhere = claims::in_flight_elsewhere(Some(slot), lease);
+        // Rows held elsewhere may come back (they are pending): ask for that many more.
+        let limit = (batch_size + held_elsewhere.len()).min(i32::MAX as usize) as i32;
+        let mut events = Spi::connect_mut(|client| {
+            // `update` (not `select`): the statement must take a fresh snapshot, after the read
+            // of the other relays' claims above.
+            let rows = client.update(CLAIM, None, &[limit.into(), in_order.into()])?;
             let mut events = Vec::with_capacity(rows.len());
             for row in rows {
                 events.push(OutboxEvent {
@@ -122,11 +141,52 @@ fn claim_rows(batch_size: usize, in_order: bool) -> Result<Vec<OutboxEvent>, Str
                     created_at: row.get::<String>(10)?.unwrap_or_default(),
                 });
             }
-            // RETURNING gives no order; publish oldest first.
-            events.sort_unstable_by_key(|event| event.id);
-            Ok(events)
-        })
+            Ok::<_, pgrx::spi::Error>(events)
+        })?;
+        // Publish oldest first; within an aggregate that is aggregate_seq order.
+        events.sort_unstable_by_key(|event| event.id);
+        let events = drop_held_elsewhere(events, &held_elsewhere, in_order, batch_size);
+        if !events.is_empty() {
+            let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
+            claims::register(slot, &ids);
+        }
+        Ok(events)
     })
+}
+
+/// Drops the events another relay holds and, in per-aggregate order, every later event of their
+/// aggregates (they must wait for the held one); keeps at most `batch_size` of the rest. `events`
+/// are in id order.
+pub fn drop_held_elsewhere(
+    events: Vec<OutboxEvent>,
+    held_elsewhere: &HashSet<i64>,
+    in_order: bool,
+    batch_size: usize,
+) -> Vec<OutboxEvent> {
+    if held_elsewhere.is_empty() {
+        let mut events = events;
+        events.truncate(batch_size);
+        return events;
+    }
+    let mut waiting: HashSet<(String, String)> = HashSet::new();
+    let mut kept = Vec::with_capacity(batch_size.min(events.len()));
+    for event in events {
+        if kept.len() == batch_size {
+            break;
+        }
+        let held = held_elsewhere.contains(&event.id);
+        if in_order {
+            let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
+            if held || waiting.contains(&aggregate) {
+                waiting.insert(aggregate);
+                continue;
+            }
+        } else if held {
+            continue;
+        }
+        kept.push(event);
+    }
+    kept
 }
 
 /// How a claimed batch is settled.
@@ -136,10 +196,8 @@ struct Settlement {
     published: Vec<i64>,
     /// Redis refused these because of the entries themselves, grouped by error.
     rejected: BTreeMap<String, Vec<i64>>,
-    /// Redis failed as a whole for these, grouped by error: they go back as they were.
+    /// Redis failed as a whole for these, grouped by error: they stay pending, with the error.
     released: BTreeMap<String, Vec<i64>>,
-    /// Not sent in this round (see `split_runs`): they go back untouched, as if never claimed.
-    deferred: Vec<i64>,
 }
 
 /// Writes the batch's outcome in one transaction; returns how many rows were dead-lettered.
@@ -160,9 +218,6 @@ fn settle(settlement: Settlement, settings: &TickSettings) -> Result<i64, String
         for (error, ids) in settlement.released {
             Spi::get_one_with_args::<i64>(RELEASE, &[ids.into(), error.into()])?;
         }
-        if !settlement.deferred.is_empty() {
-            Spi::get_one_with_args::<i64>(UNCLAIM, &[settlement.deferred.into()])?;
-        }
         Ok(dead_lettered)
     })
 }
@@ -181,11 +236,22 @@ impl RoundTimings {
     }
 }
 
+/// Releases the relay's claim when the round ends, whichever way: after the settling transaction
+/// committed, or after a failure (the unsettled rows are pending and will be claimed again).
+struct HeldClaim(usize);
+
+impl Drop for HeldClaim {
+    fn drop(&mut self) {
+        claims::clear(self.0);
+    }
+}
+
 /// One round: claim, publish, settle. `timings` receives the time of each phase that ran.
 pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTimings) -> TickOutcome {
     let started = Instant::now();
-    let claimed_events = claim(settings.batch_size, settings.in_order);
+    let claimed_events = claim(settings);
     timings.claim = started.elapsed();
+    let _held = HeldClaim(settings.slot);
     let events = match claimed_events {
         Err(error) => return TickOutcome::DatabaseError(error),
         Ok(None) => return TickOutcome::ExtensionMissing,
@@ -194,13 +260,8 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     };
     let claimed = events.len();
     let mut settlement = Settlement::default();
-    let events = if settings.in_order {
-        let (sent, deferred) = split_runs(events, &settings.stream_template);
-        settlement.deferred = deferred;
-        sent
-    } else {
-        events
-    };
+    // Events held back from this round stay pending and need no write: the claim never wrote.
+    let events = if settings.in_order { split_runs(events, &settings.stream_template).0 } else { events };
 
     let mut broker_error = None;
     let mut last_rejection = None;
@@ -220,7 +281,8 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
                         broker_error.get_or_insert_with(|| BrokerError(error.clone()));
                         settlement.released.entry(error).or_default().push(event.id);
                     }
-                    EntryOutcome::NotSent => settlement.deferred.push(event.id),
+                    // Left pending; claimed again next round.
+                    EntryOutcome::NotSent => {}
                 }
             }
         }
@@ -236,8 +298,8 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
 
     let published = settlement.published.len();
     let rejected = settlement.rejected.values().map(Vec::len).sum();
-    // If settling fails the rows stay `publishing` until their lease expires and are then
-    // published again: a duplicate, never a loss.
+    // If settling fails the rows stay pending and are published again once the claim is
+    // released: a duplicate, never a loss.
     let started = Instant::now();
     let settled = settle(settlement, settings);
     timings.settle = started.elapsed();
@@ -278,20 +340,23 @@ pub fn split_runs(events: Vec<OutboxEvent>, stream_template: &str) -> (Vec<Outbo
 
 /// `outbox.fault_injection = crash_after_publish`: exit between a successful XADD and the mark, as
 /// a crash would, once per arming (setting it to `none` re-arms it). The launcher starts a new
-/// relay, which returns the claims of this one to pending and publishes them again.
+/// relay, which publishes this one's events again (its claim in shared memory is released when it
+/// exits).
 fn crash_after_publish(published: usize) {
     if shmem::fault_fired() {
         return;
     }
     shmem::set_fault_fired(true);
     log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before marking them published");
-    // SAFETY: ends the process the way PostgreSQL expects; the claim transaction was committed.
+    // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
     unsafe { pg_sys::proc_exit(1) };
 }
 
 #[cfg(test)]
 mod tests {
-    use super::split_runs;
+    use std::collections::HashSet;
+
+    use super::{drop_held_elsewhere, split_runs};
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -323,5 +388,22 @@ mod tests {
         assert_eq!(sent.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3, 6]);
         // Event 5 goes to the run's key again, but after a cut its aggregate waits.
         assert_eq!(deferred, [4, 5]);
+    }
+
+    #[test]
+    fn events_held_by_another_relay_hold_back_their_aggregate_only() {
+        let events = vec![event(1, "a", None), event(2, "b", None), event(3, "a", None), event(4, "c", None)];
+        let held = HashSet::from([1]);
+        let kept = drop_held_elsewhere(events.clone(), &held, true, 10);
+        // 3 waits for 1 (held elsewhere); b and c are unaffected.
+        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [2, 4]);
+        // Without per-aggregate order only the held event itself is dropped.
+        let kept = drop_held_elsewhere(events.clone(), &held, false, 10);
+        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [2, 3, 4]);
+        // The batch size counts kept events only.
+        let kept = drop_held_elsewhere(events.clone(), &held, true, 1);
+        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [2]);
+        let kept = drop_held_elsewhere(events, &HashSet::new(), true, 3);
+        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3]);
     }
 }
