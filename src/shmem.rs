@@ -28,6 +28,9 @@ pub struct RelayShared {
     housekeeping_due: AtomicI64,
     /// When the age WARNING was last logged while the alert is on; 0 while it is off.
     alert_logged_at: AtomicI64,
+    /// Set while the relays are paused (`outbox.enabled = off`): committing backends then leave
+    /// them asleep instead of waking them for nothing on every commit.
+    paused: AtomicBool,
 }
 
 /// The relay's most recent error message, truncated to fit; shown in `outbox.stats`.
@@ -153,6 +156,11 @@ pub fn unregister_relay(slot: usize) {
     }
 }
 
+/// Whether the relays are paused; set by them from `outbox.enabled` on every loop.
+pub fn set_paused(paused: bool) {
+    RELAY.get().paused.store(paused, Ordering::Relaxed);
+}
+
 pub fn set_redis_connected(connected: bool) {
     RELAY.get().redis_connected.store(connected, Ordering::Relaxed);
 }
@@ -180,6 +188,10 @@ pub fn redis_connected() -> bool {
 /// no error. If a relay exited and another process now uses that PGPROC, that process sees a
 /// spurious latch wake-up, which every latch user must tolerate anyway.
 pub fn wake_relays() {
+    if RELAY.get().paused.load(Ordering::Relaxed) {
+        // Re-enabling is a reload, which wakes each relay by itself (SIGHUP).
+        return;
+    }
     for slot in &RELAY.get().relay_proc {
         let proc = slot.load(Ordering::SeqCst) as *mut pg_sys::PGPROC;
         if !proc.is_null() {

@@ -325,8 +325,11 @@ AS $fn$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
+        -- The output columns are read by the same index scan that picks the rows: a second join
+        -- back to the table would be at the mercy of the (stale) statistics again.
         WITH candidates AS (
-            SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
+            SELECT m.id, m.event_id, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
+                   m.payload, m.headers, m.stream, m.created_at
               FROM outbox.messages m
              WHERE m.status = 'pending'
                AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
@@ -342,7 +345,7 @@ BEGIN
              LIMIT batch_size
         ),
         claimable AS (
-            SELECT c.id
+            SELECT c.*
               FROM candidates c
              WHERE NOT in_order OR NOT EXISTS (
                        SELECT 1
@@ -353,11 +356,10 @@ BEGIN
                           AND e.status IN ('pending', 'publishing', 'failed')
                           AND e.id NOT IN (SELECT x.id FROM candidates x))
         )
-        SELECT m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
-               m.payload::text, m.headers::text, m.stream,
-               to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-          FROM claimable c
-          JOIN outbox.messages m ON m.id = c.id;
+        SELECT c.id, c.event_id::text, c.aggregate_type, c.aggregate_id, c.aggregate_seq, c.event_type,
+               c.payload::text, c.headers::text, c.stream,
+               to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+          FROM claimable c;
 END
 $fn$;
 
@@ -371,6 +373,11 @@ RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
+-- Settling joins the given ids to the table. Given 1,000 ids as a constant (PL/pgSQL's first,
+-- custom plans), the planner hashed every undelivered row instead: 50 ms instead of 10 ms per
+-- 1,000 rows under a 100,000-event backlog, growing with it. Only the primary-key probes are left.
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $fn$
 DECLARE
     affected bigint;
@@ -401,6 +408,9 @@ SET search_path = pg_catalog, pg_temp
 -- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
 -- which takes longer than running them: never JIT them.
 SET jit = off
+-- Primary-key probes only, as in _mark_published.
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $fn$
 DECLARE
     affected bigint;
@@ -434,6 +444,9 @@ RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
+-- Primary-key probes only, as in _mark_published.
+SET enable_hashjoin = off
+SET enable_mergejoin = off
 AS $fn$
 DECLARE
     affected bigint;

@@ -173,6 +173,7 @@ impl Relay {
             }
         }
         let until_housekeeping = shmem::until_housekeeping();
+        shmem::set_paused(!guc::enabled());
         if !guc::enabled() {
             self.set_health(Health::Disabled);
             return Some(poll.min(until_housekeeping));
