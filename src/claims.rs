@@ -28,9 +28,30 @@ use crate::shmem::MAX_RELAYS;
 /// Most ids one claim can hold: the maximum of `outbox.batch_size`.
 pub const CLAIM_CAPACITY: usize = 10_000;
 
-/// The claim lock's advisory lock key (`pg_advisory_xact_lock(CLAIM_LOCK_CLASS, CLAIM_LOCK_ID)`),
-/// also spelled out in `src/sql/functions.sql`. The class is "outb" in ASCII.
-pub const CLAIM_LOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_xact_lock(1869968482, 1)";
+/// The claim lock is the advisory lock `pg_advisory_xact_lock(CLAIM_LOCK_CLASS, CLAIM_LOCK_ID)`,
+/// spelled out with these numbers in `outbox._claim_batch` too. The class is "outb" in ASCII.
+const CLAIM_LOCK_CLASS: u32 = 1_869_968_482;
+const CLAIM_LOCK_ID: u32 = 1;
+
+/// Takes the claim lock until the end of the current transaction, waiting for it if need be:
+/// exactly what `pg_advisory_xact_lock(1869968482, 1)` does, without a statement to run (this is
+/// on every round's path).
+pub fn lock_for_claim() {
+    // SET_LOCKTAG_INT32 of PostgreSQL's advisory lock functions: database, both keys, and 2 for
+    // "two int4 keys" (1 is the bigint form).
+    let tag = pg_sys::LOCKTAG {
+        // SAFETY: set when the worker connected to its database.
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: CLAIM_LOCK_CLASS,
+        locktag_field3: CLAIM_LOCK_ID,
+        locktag_field4: 2,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    };
+    // SAFETY: inside a transaction; a transaction-level (not session) lock in ExclusiveLock mode,
+    // as pg_advisory_xact_lock takes it; it raises (and is then released) like any lock wait.
+    unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false, false) };
+}
 
 #[repr(C)]
 struct ClaimSlot {

@@ -118,7 +118,7 @@ fn claim(settings: &TickSettings) -> Result<Option<Vec<OutboxEvent>>, String> {
 fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
     let (slot, lease, batch_size, in_order) = (settings.slot, settings.lease, settings.batch_size, settings.in_order);
     txn::run(move || -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
-        Spi::run(claims::CLAIM_LOCK_SQL)?;
+        claims::lock_for_claim();
         let held_elsewhere = claims::in_flight_elsewhere(Some(slot), lease);
         // Rows held elsewhere may come back (they are pending): ask for that many more.
         let limit = (batch_size + held_elsewhere.len()).min(i32::MAX as usize) as i32;
