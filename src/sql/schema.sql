@@ -56,12 +56,14 @@ CREATE TABLE outbox.messages (
                                CHECK (status IN ('pending', 'publishing', 'published', 'failed', 'skipped')),
     created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
     claimed_at     timestamptz,
-    -- Process id of the relay (or session) holding the claim, to return claims of one that exited.
+    -- A session's claim (outbox._claim_batch): when, and its process id, to return claims of one
+    -- that exited or whose lease expired. Relays keep their claims in shared memory instead.
     claimed_by     integer,
     published_at   timestamptz,
     -- Not before this time (per-event backoff after Redis rejected the event); NULL = at once.
     available_at   timestamptz,
-    -- Publish attempts so far: incremented each time a relay claims the row, whatever the outcome.
+    -- Publish attempts so far, whatever the outcome: counted when a relay settles its claim (a
+    -- relay's claim is in shared memory and writes nothing), or when a session claims the row.
     attempts       integer     NOT NULL DEFAULT 0,
     -- Attempts Redis rejected because of the event itself; at outbox.max_attempts it is dead-lettered.
     rejections     integer     NOT NULL DEFAULT 0,
@@ -75,9 +77,9 @@ COMMENT ON COLUMN outbox.messages.id IS 'Ascending identity; the relay publishes
 COMMENT ON COLUMN outbox.messages.event_id IS 'Stable event identity (UUIDv7), sent as the entry field event_id; consumers deduplicate on it';
 COMMENT ON COLUMN outbox.messages.stream IS 'Explicit Redis stream key; NULL means the outbox.stream template decides';
 COMMENT ON COLUMN outbox.messages.aggregate_seq IS 'Per-aggregate sequence number (1, 2, 3, ...), gap-free in commit order; consumers use it to detect gaps and reordering';
-COMMENT ON COLUMN outbox.messages.status IS 'pending -> publishing (claimed) -> published; failed (dead letter) until retried or skipped; see docs/worker.md';
+COMMENT ON COLUMN outbox.messages.status IS 'pending -> published (a relay''s claim is held in shared memory; a session''s claim is publishing); failed (dead letter) until retried or skipped; see docs/worker.md';
 COMMENT ON COLUMN outbox.messages.available_at IS 'Earliest next try after Redis rejected the event (per-event backoff); NULL means now';
-COMMENT ON COLUMN outbox.messages.attempts IS 'How many times a relay claimed this row for publishing, whatever the outcome';
+COMMENT ON COLUMN outbox.messages.attempts IS 'Publish attempts, whatever the outcome: counted when a relay settles its claim, or when a session claims the row';
 COMMENT ON COLUMN outbox.messages.rejections IS 'How many times Redis rejected this event because of the event itself; outbox.max_attempts dead-letters it';
 COMMENT ON COLUMN outbox.messages.last_error IS 'Why the last publish attempt failed (Redis error text); NULL once published';
 

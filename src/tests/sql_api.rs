@@ -180,6 +180,53 @@ fn claim_takes_oldest_pending_first_and_settles() {
 }
 
 #[pg_test]
+fn a_relay_claim_reads_in_order_writes_nothing_and_is_settled_from_pending() {
+    // Aggregate a has two events; b's first is failed, so its second must wait.
+    for (aggregate, n) in [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("c", 1)] {
+        Spi::run(&format!("SELECT outbox_enqueue('t', '{aggregate}', 'e', '{{\"n\": {n}}}')")).unwrap();
+    }
+    Spi::run("UPDATE outbox.messages SET status = 'failed' WHERE aggregate_id = 'b' AND aggregate_seq = 1").unwrap();
+    let read = Spi::get_one::<String>(
+        "SELECT string_agg(aggregate_id || '#' || aggregate_seq, ',' ORDER BY id) FROM outbox._relay_batch(10, true)",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(read, "a#1,a#2,c#1");
+    // The claim wrote nothing: the rows are pending, no attempt counted.
+    let states = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || attempts, ',' ORDER BY id) FROM outbox.messages WHERE aggregate_id <> 'b'",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(states, "pending:0,pending:0,pending:0");
+    // The batch size applies after the ordering checks.
+    let read = Spi::get_one::<String>(
+        "SELECT string_agg(aggregate_id || '#' || aggregate_seq, ',' ORDER BY id) FROM outbox._relay_batch(1, true)",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(read, "a#1");
+    // Settling a relay's claim marks pending rows and counts their attempt; a rejection backs off.
+    let ids: Vec<i64> = Spi::connect(|c| {
+        c.select("SELECT id FROM outbox.messages WHERE aggregate_id <> 'b' ORDER BY id", None, &[])
+            .unwrap()
+            .map(|row| row.get::<i64>(1).unwrap().unwrap())
+            .collect()
+    });
+    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[ids[..2].to_vec().into()]).unwrap(), Some(2));
+    Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE', 5, 1000)", &[vec![ids[2]].into()]).unwrap();
+    let states = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || attempts || ':' || rejections || ':' || coalesce(available_at > now(), false), ',' ORDER BY id)
+           FROM outbox.messages WHERE aggregate_id <> 'b'",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(states, "published:1:0:false,published:1:0:false,pending:1:1:true");
+    // Nothing is left to claim: c backs off, b waits behind its failed event.
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox._claim_batch(10, true)").unwrap(), Some(0));
+}
+
+#[pg_test]
 fn claim_formats_created_at_as_rfc3339_utc_with_microseconds() {
     Spi::run("SET LOCAL timezone = 'America/Sao_Paulo'").unwrap();
     Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
