@@ -128,10 +128,16 @@ fn now_us() -> i64 {
     unsafe { pg_sys::GetCurrentTimestamp() }
 }
 
+/// Whether a claim registered at `claimed_at` is older than `lease` at `now`: the one rule every
+/// reader of the slots applies.
+fn is_expired(claimed_at: i64, now: i64, lease: Duration) -> bool {
+    now - claimed_at >= lease.as_micros() as i64
+}
+
 /// A slot's claim, if it holds one younger than `lease`.
 fn live_ids(slot: &ClaimSlot, lease: Duration, now: i64) -> Option<impl Iterator<Item = i64> + '_> {
     let claimed_at = slot.claimed_at.load(Ordering::SeqCst);
-    if claimed_at == 0 || now - claimed_at >= lease.as_micros() as i64 {
+    if claimed_at == 0 || is_expired(claimed_at, now, lease) {
         return None;
     }
     let count = (slot.count.load(Ordering::SeqCst) as usize).min(CLAIM_CAPACITY);
@@ -191,7 +197,7 @@ pub fn newly_expired(lease: Duration) -> Vec<(usize, usize, Duration)> {
     for (index, slot) in claims.slots.iter().enumerate() {
         let claimed_at = slot.claimed_at.load(Ordering::SeqCst);
         if claimed_at != 0
-            && now - claimed_at >= lease.as_micros() as i64
+            && is_expired(claimed_at, now, lease)
             && slot.reported_expired.swap(claimed_at, Ordering::SeqCst) != claimed_at
         {
             let count = slot.count.load(Ordering::SeqCst) as usize;
@@ -214,7 +220,7 @@ pub fn held(lease: Duration) -> Vec<(usize, usize, i64, bool)> {
             let claimed_at = slot.claimed_at.load(Ordering::SeqCst);
             (claimed_at != 0).then(|| {
                 let count = (slot.count.load(Ordering::SeqCst) as usize).min(CLAIM_CAPACITY);
-                (index, count, claimed_at, now - claimed_at >= lease.as_micros() as i64)
+                (index, count, claimed_at, is_expired(claimed_at, now, lease))
             })
         })
         .collect()

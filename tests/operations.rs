@@ -426,6 +426,15 @@ fn several_workers_share_the_load_and_keep_per_aggregate_order() {
     env.redis.wait_for_entries("outbox:multi", 2001);
 }
 
+/// The plans auto_explain logged for statements whose text starts with `query_start`, each cut
+/// before its CONTEXT lines.
+fn logged_plans<'a>(log: &'a str, query_start: &str) -> Vec<&'a str> {
+    log.split(&format!("Query Text: {query_start}"))
+        .skip(1)
+        .map(|plan| plan.split("CONTEXT:").next().unwrap_or(plan))
+        .collect()
+}
+
 /// A queue table's statistics are stale by nature: ANALYZE may run when almost nothing is pending,
 /// and a backlog builds up later. The claim must still walk the pending rows in id order and stop
 /// at the batch size, not (trusting an estimate of one pending row) scan every undelivered row
@@ -474,20 +483,18 @@ fn the_claim_keeps_its_index_order_plan_when_statistics_are_stale() {
     claim.rollback().unwrap();
 
     let log = env.pg.log();
-    let plans: Vec<&str> = log.split("Query Text: WITH candidates AS").skip(1).collect();
+    let plans = logged_plans(&log, "WITH candidates AS");
     assert!(plans.len() >= 12, "auto_explain logged both claims' plans: {}", plans.len());
     for plan in plans {
-        let plan = plan.split("CONTEXT:").next().unwrap_or(plan);
         assert!(plan.contains("Index Scan using messages_pending_idx"), "the claim walks the pending index:\n{plan}");
         assert!(!plan.contains("Sort Key"), "the claim sorts nothing:\n{plan}");
     }
-    // The settle finds its rows by primary key. Here (VACUUM saw a few hundred undelivered rows)
-    // the planner otherwise walked the whole undelivered index once per settle, filtering on the
-    // ids: the sustained benchmark caught that at 1-4 s per 100 rows.
-    let settles: Vec<&str> = log.split("Query Text: WITH settled AS").skip(1).collect();
+    // The settle finds its rows by primary key. Here (VACUUM saw no undelivered row) the planner
+    // otherwise walked the whole undelivered index once per settle, filtering on the ids: the
+    // sustained benchmark caught that at 1-4 s per 100 rows.
+    let settles = logged_plans(&log, "WITH settled AS");
     assert!(settles.len() >= 6, "auto_explain logged the settle's plans: {}", settles.len());
     for plan in settles {
-        let plan = plan.split("CONTEXT:").next().unwrap_or(plan);
         assert!(plan.contains("Index Scan using messages_pkey"), "the settle probes the primary key:\n{plan}");
         assert!(!plan.contains("messages_undelivered_idx"), "the settle scans no undelivered index:\n{plan}");
     }
