@@ -203,21 +203,34 @@ COMMENT ON FUNCTION outbox.purge_processed(interval) IS
 
 -- Two ways to claim, excluding each other through the claim lock (a transaction-level advisory
 -- lock, key (1869968482, 1), "outb" in ASCII) and through what they record:
--- * The relay workers read a batch with _relay_batch, which writes nothing: the ids go into the
---   relay's slot in shared memory before the reading transaction commits (src/claims.rs), and the
---   rows stay pending until the mark. One row write per event instead of two.
+-- * The relay workers read a batch with _relay_batch and _relay_waiting, which write nothing: the
+--   ids go into the relay's slot in shared memory before the reading transaction commits
+--   (src/claims.rs), and the rows stay pending until the mark. One row write per event instead of
+--   two.
 -- * A session (an external relay, a tool, a test) calls _claim_batch, which marks the rows
 --   publishing and leaves any row a relay holds in shared memory alone.
 --
--- Claims up to batch_size pending rows, oldest first, and marks them publishing. SKIP LOCKED lets
--- several sessions claim at once and get disjoint batches. The caller commits before talking to
--- Redis, so no row lock is held across network I/O.
---
--- With in_order (outbox.ordering = 'aggregate'), a row is claimable only when every earlier event
--- of its aggregate is delivered or claimed in this same batch: an earlier event that is publishing
--- elsewhere (in the table or in a relay's claim), backing off, failed, or skipped by SKIP LOCKED
--- holds the later ones back, and nothing else. Rows held back are filtered before the LIMIT, so
--- they never crowd out other aggregates.
+-- Both choose rows the same way. Oldest first (id order) up to batch_size, and with in_order
+-- (outbox.ordering = 'aggregate') per-aggregate order: an event is claimable only when every
+-- earlier event of its aggregate is delivered or claimed in this same batch. That is checked in
+-- two steps, each costing one index probe, so that a batch of one aggregate's events costs no
+-- more than a batch of a thousand aggregates':
+-- 1. Before the LIMIT, each pending row is dropped if an earlier event of its aggregate *blocks*
+--    it: in flight elsewhere (publishing), dead-lettered (failed) or backing off. Those rows are in
+--    messages_blocking_idx, which is almost always empty. Rows held back this way never crowd
+--    other aggregates out of the batch.
+-- 2. After the LIMIT, per aggregate in the batch: its events sorted by aggregate_seq are cut at
+--    the first gap (an event whose predecessor is not in the batch waits for it), and the
+--    aggregate is dropped if an event below its first one is still undelivered (held by another
+--    relay, skipped by SKIP LOCKED, or beyond the LIMIT because its id is higher).
+-- The first version probed "any earlier undelivered event outside this batch?" for every row.
+-- Each probe walked all earlier pending events of the aggregate, so a batch of n events of one
+-- aggregate cost n^2/2 index entries: 15 s per 1,000-event claim with 20,000 events pending for
+-- one aggregate (80 events/s), against 17 ms with 10,000 aggregates.
+
+-- Claims up to batch_size pending rows and marks them publishing. SKIP LOCKED lets several sessions
+-- claim at once and get disjoint batches. The caller commits before talking to Redis, so no row
+-- lock is held across network I/O, and publishes the rows of each aggregate in aggregate_seq order.
 CREATE FUNCTION outbox._claim_batch(batch_size integer, in_order boolean DEFAULT true)
 RETURNS TABLE (
     id             bigint,
@@ -241,8 +254,11 @@ SET jit = off
 -- through the per-aggregate index and sort them by id: 500 ms per 100-event claim under a real
 -- backlog, and the relay fell minutes behind until the next ANALYZE (30-minute benchmark at
 -- 5,000 events/s). Without sorts, the only plans left walk the pending index in id order and stop
--- at the batch size, whatever the estimates say.
+-- at the batch size, whatever the estimates say. (The window below still sorts the batch itself:
+-- it has no other way to, and the candidates are materialized first.)
 SET enable_sort = off
+-- Likewise every probe goes through an index, even when an ANALYZE counted no rows.
+SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
@@ -252,35 +268,55 @@ BEGIN
     PERFORM pg_catalog.pg_advisory_xact_lock(1869968482, 1);
     held_by_relays := outbox._relay_claims();
     RETURN QUERY
-        WITH candidates AS (
+        WITH candidates AS MATERIALIZED (
             SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
               FROM outbox.messages m
              WHERE m.status = 'pending'
                AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
                AND m.id <> ALL (held_by_relays)
+               -- Step 1. Under NOT in_order OR, the probe stays a per-row index probe: written as
+               -- a plain NOT EXISTS the planner may turn it into an anti-join over the whole table.
                AND (NOT in_order OR NOT EXISTS (
                        SELECT 1
                          FROM outbox.messages e
                         WHERE e.aggregate_type = m.aggregate_type
                           AND e.aggregate_id = m.aggregate_id
                           AND e.aggregate_seq < m.aggregate_seq
-                          AND e.status IN ('pending', 'publishing', 'failed')
-                          AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))))
+                          AND (e.status IN ('publishing', 'failed') OR (e.status = 'pending' AND e.available_at IS NOT NULL))
+                          AND NOT (e.status = 'pending' AND e.available_at <= clock_timestamp())))
              ORDER BY m.id
              LIMIT batch_size
                FOR UPDATE SKIP LOCKED
         ),
+        -- Step 2. aggregate_seq - rank is the same for every event of a run without gaps.
+        runs AS MATERIALIZED (
+            SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_seq,
+                   c.aggregate_seq - row_number() OVER w + 1 AS run_start,
+                   first_value(c.aggregate_seq) OVER w AS first_seq
+              FROM candidates c
+            WINDOW w AS (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.aggregate_seq)
+        ),
+        ready AS (
+            SELECT r.aggregate_type, r.aggregate_id
+              FROM runs r
+             WHERE r.aggregate_seq = r.first_seq
+               AND NOT EXISTS (
+                       SELECT 1
+                         FROM outbox.messages e
+                        WHERE e.aggregate_type = r.aggregate_type
+                          AND e.aggregate_id = r.aggregate_id
+                          AND e.aggregate_seq < r.first_seq
+                          AND e.status IN ('pending', 'publishing', 'failed'))
+        ),
         claimable AS (
             SELECT c.id
               FROM candidates c
-             WHERE NOT in_order OR NOT EXISTS (
-                       SELECT 1
-                         FROM outbox.messages e
-                        WHERE e.aggregate_type = c.aggregate_type
-                          AND e.aggregate_id = c.aggregate_id
-                          AND e.aggregate_seq < c.aggregate_seq
-                          AND e.status IN ('pending', 'publishing', 'failed')
-                          AND e.id NOT IN (SELECT x.id FROM candidates x))
+             WHERE NOT in_order
+            UNION ALL
+            SELECT r.id
+              FROM runs r
+              JOIN ready USING (aggregate_type, aggregate_id)
+             WHERE in_order AND r.run_start = r.first_seq
         )
         UPDATE outbox.messages m
            SET status = 'publishing',
@@ -298,11 +334,13 @@ $fn$;
 COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
     'Relay internal: claims up to batch_size pending events (oldest first, FOR UPDATE SKIP LOCKED, per-aggregate order when in_order) and returns them ready to publish';
 
--- The relay workers' claim: the same choice of rows as _claim_batch, but read without writing or
--- locking anything. The caller holds the claim lock, has read the other relays' claims before
--- this statement's snapshot, drops the rows they hold (with the rest of those aggregates' runs),
--- and records its own in shared memory before committing (src/worker/tick.rs). batch_size is
--- raised by the caller by the number of rows held elsewhere, which may come back and be dropped.
+-- The relay workers' claim, step 1 (see above), read without writing or locking anything: up to
+-- batch_size pending rows, oldest first, none blocked by an earlier event of its aggregate. The
+-- caller holds the claim lock and has read the other relays' claims before this statement's
+-- snapshot; it drops the rows they hold (with the rest of those aggregates' runs), does step 2
+-- (cutting runs at gaps in Rust, then _relay_waiting), and records its own rows in shared memory
+-- before committing (src/worker/tick.rs). batch_size is raised by the caller by the number of rows
+-- held elsewhere, which may come back and be dropped.
 CREATE FUNCTION outbox._relay_batch(batch_size integer, in_order boolean DEFAULT true)
 RETURNS TABLE (
     id             bigint,
@@ -318,53 +356,70 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
--- As for _claim_batch: never JIT, never sort (stale statistics must not change the plan).
+-- As for _claim_batch: never JIT, never sort or scan the table (stale statistics must not change
+-- the plan).
 SET jit = off
 SET enable_sort = off
+SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 BEGIN
+    -- The output columns are read by the same index scan that picks the rows: a second join back
+    -- to the table would be at the mercy of the (stale) statistics again.
     RETURN QUERY
-        -- The output columns are read by the same index scan that picks the rows: a second join
-        -- back to the table would be at the mercy of the (stale) statistics again.
-        WITH candidates AS (
-            SELECT m.id, m.event_id, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
-                   m.payload, m.headers, m.stream, m.created_at
-              FROM outbox.messages m
-             WHERE m.status = 'pending'
-               AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
-               AND (NOT in_order OR NOT EXISTS (
-                       SELECT 1
-                         FROM outbox.messages e
-                        WHERE e.aggregate_type = m.aggregate_type
-                          AND e.aggregate_id = m.aggregate_id
-                          AND e.aggregate_seq < m.aggregate_seq
-                          AND e.status IN ('pending', 'publishing', 'failed')
-                          AND NOT (e.status = 'pending' AND (e.available_at IS NULL OR e.available_at <= clock_timestamp()))))
-             ORDER BY m.id
-             LIMIT batch_size
-        ),
-        claimable AS (
-            SELECT c.*
-              FROM candidates c
-             WHERE NOT in_order OR NOT EXISTS (
-                       SELECT 1
-                         FROM outbox.messages e
-                        WHERE e.aggregate_type = c.aggregate_type
-                          AND e.aggregate_id = c.aggregate_id
-                          AND e.aggregate_seq < c.aggregate_seq
-                          AND e.status IN ('pending', 'publishing', 'failed')
-                          AND e.id NOT IN (SELECT x.id FROM candidates x))
-        )
-        SELECT c.id, c.event_id::text, c.aggregate_type, c.aggregate_id, c.aggregate_seq, c.event_type,
-               c.payload::text, c.headers::text, c.stream,
-               to_char(c.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-          FROM claimable c;
+        SELECT m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
+               m.payload::text, m.headers::text, m.stream,
+               to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+          FROM outbox.messages m
+         WHERE m.status = 'pending'
+           AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
+           AND (NOT in_order OR NOT EXISTS (
+                   SELECT 1
+                     FROM outbox.messages e
+                    WHERE e.aggregate_type = m.aggregate_type
+                      AND e.aggregate_id = m.aggregate_id
+                      AND e.aggregate_seq < m.aggregate_seq
+                      AND (e.status IN ('publishing', 'failed') OR (e.status = 'pending' AND e.available_at IS NOT NULL))
+                      AND NOT (e.status = 'pending' AND e.available_at <= clock_timestamp())))
+         ORDER BY m.id
+         LIMIT batch_size;
 END
 $fn$;
 
 COMMENT ON FUNCTION outbox._relay_batch(integer, boolean) IS
-    'Relay internal: reads up to batch_size claimable pending events (oldest first, per-aggregate order when in_order) without writing; the relay records the claim in shared memory';
+    'Relay internal: reads up to batch_size pending events not blocked by an earlier event of their aggregate (oldest first) without writing; see _relay_waiting';
+
+-- The relay workers' claim, step 2: given the first event of each aggregate's run in a batch,
+-- returns the positions (1-based) of the aggregates that must wait, because an earlier event of
+-- theirs is still undelivered. One index probe per aggregate.
+CREATE FUNCTION outbox._relay_waiting(aggregate_types text[], aggregate_ids text[], first_seqs bigint[])
+RETURNS SETOF bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+-- A probe per aggregate through messages_undelivered_idx, whatever the statistics say.
+SET enable_seqscan = off
+AS $fn$
+BEGIN
+    -- A LATERAL probe per aggregate: the planner cannot turn it around into a scan of the table
+    -- joined to the list, which stale statistics (an ANALYZE that counted no rows) would favour.
+    RETURN QUERY
+        SELECT h.position
+          FROM unnest(aggregate_types, aggregate_ids, first_seqs) WITH ORDINALITY
+               AS h(aggregate_type, aggregate_id, first_seq, position)
+         CROSS JOIN LATERAL (
+                   SELECT 1
+                     FROM outbox.messages e
+                    WHERE e.aggregate_type = h.aggregate_type
+                      AND e.aggregate_id = h.aggregate_id
+                      AND e.aggregate_seq < h.first_seq
+                      AND e.status IN ('pending', 'publishing', 'failed')
+                    LIMIT 1) AS earlier;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._relay_waiting(text[], text[], bigint[]) IS
+    'Relay internal: which of these aggregates have an event below first_seq still undelivered (1-based positions)';
 
 -- Settles rows that Redis accepted: rows a session claimed (publishing) and rows a relay claimed in
 -- shared memory (still pending; their attempt is counted here, since their claim wrote nothing).
@@ -373,16 +428,19 @@ RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
--- Settling must look rows up by primary key, whatever the statistics say. Two plans did worse:
+-- Settling must look rows up by primary key, whatever the statistics say. Three plans did worse:
 -- given 1,000 ids as a constant (PL/pgSQL's first, custom plans) the planner hashed every
--- undelivered row (50 ms instead of 10 ms per 1,000 under a 100,000-event backlog); and after
--- ANALYZE saw the undelivered index empty, it walked that whole index once per batch, filtering
--- on the ids: settles of 100 rows took 1-4 s in a 5,000 events/s run and the backlog grew. Hence no
--- hash or merge joins, and the status test is written NOT IN so that it implies no partial index's
--- predicate (status IN (...) would make the pending and undelivered indexes usable): only the
--- primary key is left to find the rows.
-SET enable_hashjoin = off
-SET enable_mergejoin = off
+-- undelivered row (50 ms instead of 10 ms per 1,000 under a 100,000-event backlog); after ANALYZE
+-- saw the undelivered index empty, it walked that whole index once per batch, filtering on the
+-- ids (settles of 100 rows took 1-4 s in a 5,000 events/s run); and after an ANALYZE that ran
+-- while a large enqueue was still uncommitted (it counts zero rows), the join with unnest(ids)
+-- became a nested loop over a sequential scan of the table, comparing every row with every id:
+-- 9 s to settle 5,000 rows, minutes for a 30,000-row backlog. So there is no join at all: the ids
+-- are an index condition on the primary key (id = ANY: the btree sorts the array and descends
+-- once per id), sequential scans are ruled out, and the status test is written NOT IN so that it
+-- implies no partial index's predicate (status IN (...) would make the pending and undelivered
+-- indexes usable): only the primary key is left to find the rows.
+SET enable_seqscan = off
 AS $fn$
 DECLARE
     affected bigint;
@@ -391,8 +449,7 @@ BEGIN
         UPDATE outbox.messages m
            SET status = 'published', published_at = clock_timestamp(), last_error = NULL,
                attempts = m.attempts + (m.status = 'pending')::integer
-          FROM unnest(ids) AS settled_id(id)
-         WHERE m.id = settled_id.id AND m.status NOT IN ('published', 'failed', 'skipped')
+         WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
         RETURNING 1
     )
     SELECT count(*) INTO affected FROM settled;
@@ -414,8 +471,7 @@ SET search_path = pg_catalog, pg_temp
 -- which takes longer than running them: never JIT them.
 SET jit = off
 -- Primary-key probes only, as in _mark_published (and its status test is written NOT IN likewise).
-SET enable_hashjoin = off
-SET enable_mergejoin = off
+SET enable_seqscan = off
 AS $fn$
 DECLARE
     affected bigint;
@@ -431,8 +487,7 @@ BEGIN
                               + least(retry_delay_ms * power(2, least(m.rejections, 20)), 300000) * interval '1 millisecond',
                claimed_at = NULL,
                claimed_by = NULL
-          FROM unnest(ids) AS rejected_id(id)
-         WHERE m.id = rejected_id.id AND m.status NOT IN ('published', 'failed', 'skipped')
+         WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
         RETURNING m.status
     )
     SELECT count(*) FILTER (WHERE status = 'failed') INTO affected FROM rejected;
@@ -450,8 +505,7 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
 -- Primary-key probes only, as in _mark_published (and its status test is written NOT IN likewise).
-SET enable_hashjoin = off
-SET enable_mergejoin = off
+SET enable_seqscan = off
 AS $fn$
 DECLARE
     affected bigint;
@@ -460,8 +514,7 @@ BEGIN
         UPDATE outbox.messages m
            SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error,
                attempts = m.attempts + (m.status = 'pending')::integer
-          FROM unnest(ids) AS released_id(id)
-         WHERE m.id = released_id.id AND m.status NOT IN ('published', 'failed', 'skipped')
+         WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
         RETURNING 1
     )
     SELECT count(*) INTO affected FROM released;
@@ -509,6 +562,7 @@ REVOKE ALL ON FUNCTION outbox._reap_expired(integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._reject(bigint[], text, integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_batch(integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._relay_batch(integer, boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._relay_waiting(text[], text[], bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._mark_published(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._release(bigint[], text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._relay_claims() FROM PUBLIC;

@@ -114,9 +114,16 @@ ALTER TABLE outbox.processed_messages SET (autovacuum_vacuum_scale_factor = 0.02
 CREATE INDEX messages_pending_idx ON outbox.messages (id) WHERE status = 'pending';
 CREATE INDEX messages_publishing_idx ON outbox.messages (claimed_at) WHERE status = 'publishing';
 CREATE INDEX messages_failed_idx ON outbox.messages (id) WHERE status = 'failed';
--- Per-aggregate order: "is an earlier event of this aggregate still undelivered?"
+-- Per-aggregate order, two questions per claim (see _relay_batch):
+-- "is an earlier event of this aggregate still undelivered?", asked once per aggregate in a batch;
 CREATE INDEX messages_undelivered_idx ON outbox.messages (aggregate_type, aggregate_id, aggregate_seq)
     WHERE status IN ('pending', 'publishing', 'failed');
+-- "does an earlier event of this aggregate block it?", asked of every pending row the claim reads.
+-- Only rows in flight elsewhere, dead-lettered or backing off can block, and the relay's own writes
+-- never put a row here (pending -> published), so this index is almost always empty and the probe
+-- costs one page, however many events of the aggregate are pending.
+CREATE INDEX messages_blocking_idx ON outbox.messages (aggregate_type, aggregate_id, aggregate_seq)
+    WHERE status IN ('publishing', 'failed') OR (status = 'pending' AND available_at IS NOT NULL);
 -- Retention deletes, and the stats read, the oldest and newest published rows through it.
 CREATE INDEX messages_published_idx ON outbox.messages (published_at) WHERE status IN ('published', 'skipped');
 

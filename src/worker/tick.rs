@@ -53,6 +53,7 @@ pub enum TickOutcome {
 const EXTENSION_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_pg')";
 const CLAIM: &str = "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
                      stream, created_at FROM outbox._relay_batch($1, $2)";
+const WAITING: &str = "SELECT outbox._relay_waiting($1, $2, $3)";
 const MARK_PUBLISHED: &str = "SELECT outbox._mark_published($1)";
 const RELEASE: &str = "SELECT outbox._release($1, $2)";
 const REJECT: &str = "SELECT outbox._reject($1, $2, $3, $4)";
@@ -114,7 +115,8 @@ fn claim(settings: &TickSettings) -> Result<Option<Vec<OutboxEvent>>, String> {
 /// The claim writes nothing to the table: under the claim lock, it reads which rows the other
 /// relays hold, then (with a snapshot taken after that) the oldest claimable rows, drops those held
 /// elsewhere, and records the rest in this relay's slot before committing. See src/claims.rs for
-/// why that cannot hand a row to two relays.
+/// why that cannot hand a row to two relays, and `outbox._claim_batch` for how per-aggregate order
+/// is checked in two steps.
 fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
     let (slot, lease, batch_size, in_order) = (settings.slot, settings.lease, settings.batch_size, settings.in_order);
     txn::run(move || -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
@@ -122,7 +124,7 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
         let held_elsewhere = claims::in_flight_elsewhere(Some(slot), lease);
         // Rows held elsewhere may come back (they are pending): ask for that many more.
         let limit = (batch_size + held_elsewhere.len()).min(i32::MAX as usize) as i32;
-        let mut events = Spi::connect_mut(|client| {
+        let events = Spi::connect_mut(|client| {
             // `update` (not `select`): the statement must take a fresh snapshot, after the read
             // of the other relays' claims above.
             let rows = client.update(CLAIM, None, &[limit.into(), in_order.into()])?;
@@ -143,9 +145,16 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
             }
             Ok::<_, pgrx::spi::Error>(events)
         })?;
-        // Publish oldest first; within an aggregate that is aggregate_seq order.
+        let mut events = events;
         events.sort_unstable_by_key(|event| event.id);
-        let events = drop_held_elsewhere(events, &held_elsewhere, in_order, batch_size);
+        let mut events = drop_held_elsewhere(events, &held_elsewhere, in_order);
+        if in_order {
+            events = cut_runs_at_gaps(events);
+            let waiting = aggregates_waiting(&events)?;
+            events.retain(|event| !waiting.contains(&(event.aggregate_type.clone(), event.aggregate_id.clone())));
+        }
+        // Oldest first; each aggregate's events are a prefix of its run, so cutting here keeps order.
+        events.truncate(batch_size);
         if !events.is_empty() {
             let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
             claims::register(slot, &ids);
@@ -154,26 +163,42 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
     })
 }
 
+/// Step 2 of the per-aggregate order check, in the database: the aggregates of `events` that have
+/// an event below their first one in the batch still undelivered (`outbox._relay_waiting`).
+fn aggregates_waiting(events: &[OutboxEvent]) -> Result<HashSet<(String, String)>, pgrx::spi::Error> {
+    let heads = first_of_each_aggregate(events);
+    if heads.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let types: Vec<String> = heads.iter().map(|e| e.aggregate_type.clone()).collect();
+    let ids: Vec<String> = heads.iter().map(|e| e.aggregate_id.clone()).collect();
+    let seqs: Vec<i64> = heads.iter().map(|e| e.aggregate_seq).collect();
+    Spi::connect_mut(|client| {
+        let rows = client.update(WAITING, None, &[types.into(), ids.into(), seqs.into()])?;
+        let mut waiting = HashSet::new();
+        for row in rows {
+            if let Some(position) = row.get::<i64>(1)? {
+                let head = heads[(position - 1) as usize];
+                waiting.insert((head.aggregate_type.clone(), head.aggregate_id.clone()));
+            }
+        }
+        Ok(waiting)
+    })
+}
+
 /// Drops the events another relay holds and, in per-aggregate order, every later event of their
-/// aggregates (they must wait for the held one); keeps at most `batch_size` of the rest. `events`
-/// are in id order.
+/// aggregates (they must wait for the held one). `events` are in id order.
 pub fn drop_held_elsewhere(
     events: Vec<OutboxEvent>,
     held_elsewhere: &HashSet<i64>,
     in_order: bool,
-    batch_size: usize,
 ) -> Vec<OutboxEvent> {
     if held_elsewhere.is_empty() {
-        let mut events = events;
-        events.truncate(batch_size);
         return events;
     }
     let mut waiting: HashSet<(String, String)> = HashSet::new();
-    let mut kept = Vec::with_capacity(batch_size.min(events.len()));
+    let mut kept = Vec::with_capacity(events.len());
     for event in events {
-        if kept.len() == batch_size {
-            break;
-        }
         let held = held_elsewhere.contains(&event.id);
         if in_order {
             let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
@@ -187,6 +212,40 @@ pub fn drop_held_elsewhere(
         kept.push(event);
     }
     kept
+}
+
+/// Step 2 of the per-aggregate order check, in memory. `events` are in id order. Each aggregate's
+/// events are put in `aggregate_seq` order (in the places its events held, so the batch stays
+/// oldest first) and cut at the first gap in the sequence: an event whose predecessor is not in
+/// the batch waits for it. Ids follow `aggregate_seq` within an aggregate whenever ids are handed
+/// out in order (the identity's default), so the reordering is only a safeguard.
+pub fn cut_runs_at_gaps(events: Vec<OutboxEvent>) -> Vec<OutboxEvent> {
+    let mut by_aggregate: HashMap<(&str, &str), Vec<usize>> = HashMap::new();
+    for (index, event) in events.iter().enumerate() {
+        by_aggregate.entry((event.aggregate_type.as_str(), event.aggregate_id.as_str())).or_default().push(index);
+    }
+    // For each place in the batch, which event goes there (None: its aggregate's run was cut).
+    let mut placed: Vec<Option<usize>> = vec![None; events.len()];
+    for places in by_aggregate.values() {
+        let mut by_seq = places.clone();
+        by_seq.sort_unstable_by_key(|&index| events[index].aggregate_seq);
+        let first_seq = events[by_seq[0]].aggregate_seq;
+        for (offset, (&place, &index)) in places.iter().zip(&by_seq).enumerate() {
+            if events[index].aggregate_seq != first_seq + offset as i64 {
+                break;
+            }
+            placed[place] = Some(index);
+        }
+    }
+    let mut slots: Vec<Option<OutboxEvent>> = events.into_iter().map(Some).collect();
+    placed.into_iter().flatten().filter_map(|index| slots[index].take()).collect()
+}
+
+/// The first event of each aggregate in `events` (its lowest `aggregate_seq` after
+/// `cut_runs_at_gaps`, which puts it first).
+fn first_of_each_aggregate(events: &[OutboxEvent]) -> Vec<&OutboxEvent> {
+    let mut seen = HashSet::new();
+    events.iter().filter(|event| seen.insert((event.aggregate_type.as_str(), event.aggregate_id.as_str()))).collect()
 }
 
 /// How a claimed batch is settled.
@@ -356,7 +415,7 @@ fn crash_after_publish(published: usize) {
 mod tests {
     use std::collections::HashSet;
 
-    use super::{drop_held_elsewhere, split_runs};
+    use super::{cut_runs_at_gaps, drop_held_elsewhere, first_of_each_aggregate, split_runs};
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -394,16 +453,58 @@ mod tests {
     fn events_held_by_another_relay_hold_back_their_aggregate_only() {
         let events = vec![event(1, "a", None), event(2, "b", None), event(3, "a", None), event(4, "c", None)];
         let held = HashSet::from([1]);
-        let kept = drop_held_elsewhere(events.clone(), &held, true, 10);
+        let kept = drop_held_elsewhere(events.clone(), &held, true);
         // 3 waits for 1 (held elsewhere); b and c are unaffected.
-        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [2, 4]);
+        assert_eq!(ids(&kept), [2, 4]);
         // Without per-aggregate order only the held event itself is dropped.
-        let kept = drop_held_elsewhere(events.clone(), &held, false, 10);
-        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [2, 3, 4]);
-        // The batch size counts kept events only.
-        let kept = drop_held_elsewhere(events.clone(), &held, true, 1);
-        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [2]);
-        let kept = drop_held_elsewhere(events, &HashSet::new(), true, 3);
-        assert_eq!(kept.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3]);
+        let kept = drop_held_elsewhere(events.clone(), &held, false);
+        assert_eq!(ids(&kept), [2, 3, 4]);
+        let kept = drop_held_elsewhere(events, &HashSet::new(), true);
+        assert_eq!(ids(&kept), [1, 2, 3, 4]);
+    }
+
+    fn ids(events: &[OutboxEvent]) -> Vec<i64> {
+        events.iter().map(|e| e.id).collect()
+    }
+
+    fn seq_event(id: i64, aggregate_id: &str, seq: i64) -> OutboxEvent {
+        OutboxEvent { aggregate_seq: seq, ..event(id, aggregate_id, None) }
+    }
+
+    #[test]
+    fn a_run_without_gaps_is_kept_whole() {
+        let events = vec![seq_event(1, "a", 7), seq_event(2, "b", 1), seq_event(3, "a", 8), seq_event(4, "a", 9)];
+        assert_eq!(ids(&cut_runs_at_gaps(events)), [1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn a_run_is_cut_at_the_first_gap_in_its_sequence() {
+        // a#4 is missing (delivered out of order earlier, or not in the batch): a#5 and a#6 wait.
+        let events = vec![
+            seq_event(1, "a", 2),
+            seq_event(2, "a", 3),
+            seq_event(3, "b", 1),
+            seq_event(5, "a", 5),
+            seq_event(6, "a", 6),
+        ];
+        assert_eq!(ids(&cut_runs_at_gaps(events)), [1, 2, 3]);
+    }
+
+    #[test]
+    fn events_of_an_aggregate_go_out_in_sequence_order_even_if_ids_do_not_follow_it() {
+        // Ids handed out out of order (a sequence cache, say): a#1 has the higher id.
+        let events = vec![seq_event(10, "a", 2), seq_event(11, "b", 1), seq_event(12, "a", 1)];
+        let kept = cut_runs_at_gaps(events);
+        assert_eq!(
+            kept.iter().map(|e| (e.aggregate_id.as_str(), e.aggregate_seq)).collect::<Vec<_>>(),
+            [("a", 1), ("b", 1), ("a", 2)]
+        );
+    }
+
+    #[test]
+    fn the_first_event_of_each_aggregate_is_its_head() {
+        let events = vec![seq_event(1, "a", 3), seq_event(2, "b", 9), seq_event(3, "a", 4)];
+        let heads = first_of_each_aggregate(&events);
+        assert_eq!(heads.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2]);
     }
 }
