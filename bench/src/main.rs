@@ -234,7 +234,7 @@ fn rust_decimal_free_amount(i: u32) -> String {
 
 const DRAIN_STREAM: &str = "outbox:bench_drain";
 
-fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64) -> Result<()> {
+fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
     configure(admin, &[("outbox.enabled", "off")])?;
     // Let a relay that is mid-round finish before the backlog is written.
     wait_until(Duration::from_secs(10), || {
@@ -245,12 +245,18 @@ fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64) -> Re
     admin.batch_execute("TRUNCATE outbox.messages")?;
     admin.batch_execute("VACUUM ANALYZE outbox.messages")?;
     redis::cmd("DEL").arg(DRAIN_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
-    // 10,000 aggregates with 10 events each: ordering has runs to respect.
-    admin.batch_execute(&format!(
-        "SELECT outbox_enqueue('bench_drain', (i % 10000)::bigint, 'payment.created',
-                               jsonb_build_object('payment_id', i, 'amount', '12.34', 'payer', 'payer-' || i))
-           FROM generate_series(1, {events}) AS i"
-    ))?;
+    // With 10,000 aggregates (10 events each) ordering has runs to respect; with one aggregate,
+    // every event waits for the one before it. Transactions of 1,000 events: one transaction that
+    // enqueues many events for one aggregate rewrites its counter row each time, and each call
+    // walks the versions the transaction made before (quadratic; see docs/performance.md).
+    for first in (1..=events).step_by(1000) {
+        let last = (first + 999).min(events);
+        admin.batch_execute(&format!(
+            "SELECT outbox_enqueue('bench_drain', (i % {aggregates})::bigint, 'payment.created',
+                                   jsonb_build_object('payment_id', i, 'amount', '12.34', 'payer', 'payer-' || i))
+               FROM generate_series({first}, {last}) AS i"
+        ))?;
+    }
     admin.batch_execute("VACUUM ANALYZE outbox.messages")?;
     Ok(())
 }
@@ -263,9 +269,9 @@ fn wait_drained(args: &Args, events: i64) -> Result<()> {
     })
 }
 
-fn drain_in_server(args: &Args, events: i64, workers: usize) -> Result<f64> {
+fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) -> Result<f64> {
     let mut admin = pg(&args.pg)?;
-    prepare_backlog(args, &mut admin, events)?;
+    prepare_backlog(args, &mut admin, events, aggregates)?;
     configure(&mut admin, &[("outbox.workers", &workers.to_string()), ("outbox.batch_size", &args.batch.to_string())])?;
     wait_until(Duration::from_secs(30), || {
         let running: i64 = admin
@@ -280,9 +286,9 @@ fn drain_in_server(args: &Args, events: i64, workers: usize) -> Result<f64> {
     Ok(events as f64 / started.elapsed().as_secs_f64())
 }
 
-fn drain_baseline(args: &Args, events: i64, processes: usize) -> Result<f64> {
+fn drain_baseline(args: &Args, events: i64, aggregates: i64, processes: usize) -> Result<f64> {
     let mut admin = pg(&args.pg)?;
-    prepare_backlog(args, &mut admin, events)?;
+    prepare_backlog(args, &mut admin, events, aggregates)?;
     let exe = std::env::current_exe()?;
     let started = Instant::now();
     let mut children = Vec::new();
@@ -654,7 +660,7 @@ fn run_all(args: &Args) -> Result<()> {
     eprintln!("== drain {drain_events} events, in-server relay, 1/2/4 workers");
     let mut in_server = Vec::new();
     for workers in [1, 2, 4] {
-        let rate = drain_in_server(args, drain_events, workers)?;
+        let rate = drain_in_server(args, drain_events, 10_000, workers)?;
         eprintln!("   {workers} worker(s): {rate:.0} events/s");
         in_server.push((workers, rate));
     }
@@ -662,10 +668,17 @@ fn run_all(args: &Args) -> Result<()> {
     eprintln!("== drain {drain_events} events, external relay, 1/2/4 processes");
     let mut baseline = Vec::new();
     for processes in [1, 2, 4] {
-        let rate = drain_baseline(args, drain_events, processes)?;
+        let rate = drain_baseline(args, drain_events, 10_000, processes)?;
         eprintln!("   {processes} process(es): {rate:.0} events/s");
         baseline.push((processes, rate));
     }
+    // A burst for one aggregate: every event has its predecessor in the batch or delivered.
+    eprintln!("== drain {drain_events} events of one aggregate, one worker / one external process");
+    let one_aggregate = (drain_in_server(args, drain_events, 1, 1)?, {
+        configure(&mut admin, &[("outbox.enabled", "off")])?;
+        drain_baseline(args, drain_events, 1, 1)?
+    });
+    eprintln!("   outbox_pg {:.0} events/s, external relay {:.0} events/s", one_aggregate.0, one_aggregate.1);
     eprintln!("== enqueue cost (pgbench, 4 clients, {tps_seconds} s per run, median of 3)");
     let tps_off = enqueue_cost(args, tps_seconds, false)?;
     let tps_on = enqueue_cost(args, tps_seconds, true)?;
@@ -673,7 +686,7 @@ fn run_all(args: &Args) -> Result<()> {
     let idle = idle(args, idle_seconds)?;
     admin.batch_execute("SELECT outbox.purge('0'); TRUNCATE bench_payments, bench_plain_events")?;
 
-    write_report(args, &machine, &lat, &in_server, &baseline, &tps_off, &tps_on, &idle)
+    write_report(args, &machine, &lat, &in_server, &baseline, one_aggregate, &tps_off, &tps_on, &idle)
 }
 
 fn machine_facts(admin: &mut postgres::Client) -> Result<String> {
@@ -701,6 +714,7 @@ fn write_report(
     lat: &Latency,
     in_server: &[(usize, f64)],
     baseline: &[(usize, f64)],
+    one_aggregate: (f64, f64),
     tps_off: &Tps,
     tps_on: &Tps,
     idle: &Idle,
@@ -721,6 +735,7 @@ fn write_report(
         "drain_in_server": in_server.iter().map(|(w, r)| serde_json::json!({"workers": w, "events_per_s": r})).collect::<Vec<_>>(),
         "drain_external_relay": baseline.iter().map(|(p, r)| serde_json::json!({"processes": p, "events_per_s": r})).collect::<Vec<_>>(),
         "drain_ratio_one_worker_vs_best_external": one_worker / best_baseline,
+        "drain_one_aggregate": {"in_server_one_worker": one_aggregate.0, "external_one_process": one_aggregate.1},
         "enqueue_tps": {"relay_off": {"plain_insert": tps_off.plain, "outbox_enqueue": tps_off.outbox, "ratio": tps_off.outbox / tps_off.plain},
                         "relay_on": {"plain_insert": tps_on.plain, "outbox_enqueue": tps_on.outbox, "ratio": tps_on.outbox / tps_on.plain}},
         "idle": {"seconds": idle.seconds, "relay_cpu_ms": idle.cpu_ms, "transactions": idle.transactions, "poll_interval": idle.poll_interval},
@@ -761,6 +776,11 @@ fn write_report(
     md.push_str(&format!(
         "One outbox_pg worker vs the best external configuration: **{:.2}×**.\n\n",
         one_worker / best_baseline
+    ));
+    md.push_str(&format!(
+        "The same backlog for **one aggregate** (every event waits for the one before it): outbox_pg, 1 worker: \
+         {:.0} events/s; external relay, 1 process: {:.0} events/s.\n\n",
+        one_aggregate.0, one_aggregate.1
     ));
     md.push_str(&format!(
         "## Enqueue cost (pgbench, 4 clients, median of 3 alternating runs)\n\n\
