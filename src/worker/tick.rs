@@ -124,7 +124,7 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
         let held_elsewhere = claims::in_flight_elsewhere(Some(slot), lease);
         // Rows held elsewhere may come back (they are pending): ask for that many more.
         let limit = (batch_size + held_elsewhere.len()).min(i32::MAX as usize) as i32;
-        let events = Spi::connect_mut(|client| {
+        let mut events = Spi::connect_mut(|client| {
             // `update` (not `select`): the statement must take a fresh snapshot, after the read
             // of the other relays' claims above.
             let rows = client.update(CLAIM, None, &[limit.into(), in_order.into()])?;
@@ -145,7 +145,7 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
             }
             Ok::<_, pgrx::spi::Error>(events)
         })?;
-        let mut events = events;
+        // Oldest first (the function returns them so; this does not rely on it).
         events.sort_unstable_by_key(|event| event.id);
         let mut events = drop_held_elsewhere(events, &held_elsewhere, in_order);
         if in_order {
