@@ -151,7 +151,10 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
         if in_order {
             events = cut_runs_at_gaps(events);
             let waiting = aggregates_waiting(&events)?;
-            events.retain(|event| !waiting.contains(&(event.aggregate_type.clone(), event.aggregate_id.clone())));
+            // Usually nobody waits: skip the per-event key copies the lookup needs.
+            if !waiting.is_empty() {
+                events.retain(|event| !waiting.contains(&(event.aggregate_type.clone(), event.aggregate_id.clone())));
+            }
         }
         // Oldest first; each aggregate's events are a prefix of its run, so cutting here keeps order.
         events.truncate(batch_size);
