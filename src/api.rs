@@ -5,6 +5,7 @@ use pgrx::prelude::*;
 
 #[pg_schema]
 mod outbox {
+    use pgrx::pg_sys;
     use pgrx::pg_sys::panic::ErrorReport;
     use pgrx::prelude::*;
 
@@ -17,11 +18,12 @@ mod outbox {
         pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
     }
 
-    /// Called by `outbox_enqueue` before it inserts: refuses when the relay is not preloaded (the
-    /// event would never be delivered), arms the commit-time wake-up, and returns
+    /// Called by `outbox_enqueue` before it inserts: refuses when no relay would deliver the event
+    /// (the library is not preloaded, or this is not the database the relay serves) or when its
+    /// stream is not one `outbox.allowed_streams` permits; arms the commit-time wake-up; returns
     /// `outbox.max_payload_size` in bytes.
     #[pg_extern(volatile, parallel_unsafe, name = "_prepare_enqueue")]
-    fn prepare_enqueue() -> i32 {
+    fn prepare_enqueue(aggregate_type: &str, event_type: &str, stream: Option<&str>) -> i32 {
         if !crate::preloaded() {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -31,14 +33,96 @@ mod outbox {
             .set_hint("Add outbox_pg to shared_preload_libraries in postgresql.conf and restart PostgreSQL.")
             .report(PgLogLevel::ERROR);
         }
+        let relayed = guc::database();
+        let here = current_database();
+        if here != relayed {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                format!(
+                    "outbox_pg relays database \"{relayed}\" (outbox.database), not \"{here}\", so no relay would deliver this event"
+                ),
+                "outbox_enqueue",
+            )
+            .set_hint(format!(
+                "Enqueue in database \"{relayed}\", or set outbox.database = '{here}' in postgresql.conf and restart PostgreSQL."
+            ))
+            .report(PgLogLevel::ERROR);
+        }
+        let patterns = guc::allowed_streams();
+        if crate::streams::allows_every_stream(&patterns) {
+            // The default: nothing to render or match on every enqueue.
+            wake::arm();
+            return guc::max_payload_size();
+        }
+        let template = guc::stream_template();
+        let key = match stream {
+            Some(stream) => stream.to_string(),
+            None => crate::render_stream_template(&template, aggregate_type, event_type),
+        };
+        if !crate::streams::allowed(&patterns, &key) {
+            let source = if stream.is_some() {
+                "the stream argument".to_string()
+            } else {
+                format!("outbox.stream ('{template}') for this event")
+            };
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                format!(
+                    "outbox_enqueue: stream \"{}\" ({source}) is not allowed by outbox.allowed_streams",
+                    crate::streams::shown(&key)
+                ),
+                "outbox_enqueue",
+            )
+            .set_hint(format!(
+                "Allowed streams match one of these patterns: '{patterns}'. Use such a stream, or have a superuser extend outbox.allowed_streams."
+            ))
+            .report(PgLogLevel::ERROR);
+        }
         wake::arm();
         guc::max_payload_size()
+    }
+
+    /// Takes the claim lock until the end of the transaction (see src/claims.rs): `_claim_batch`
+    /// calls it. Not for applications: EXECUTE is revoked from PUBLIC.
+    #[pg_extern(volatile, parallel_unsafe, name = "_lock_for_claim")]
+    fn lock_for_claim() {
+        claims::lock_for_claim_in_session();
+    }
+
+    /// The role the caller acts as, outside any SECURITY DEFINER function: inside one (such as
+    /// `outbox_mark_processed`) `current_user` is the function's owner.
+    #[pg_extern(stable, parallel_safe, name = "_calling_role")]
+    fn calling_role() -> pg_sys::Oid {
+        // SAFETY: set for every connected backend; SECURITY DEFINER functions do not change it.
+        unsafe { pg_sys::GetOuterUserId() }
+    }
+
+    /// The name of the database this backend is connected to (looked up once per backend).
+    fn current_database() -> String {
+        thread_local! {
+            static NAME: std::cell::OnceCell<String> = const { std::cell::OnceCell::new() };
+        }
+        NAME.with(|name| {
+            name.get_or_init(|| {
+                // SAFETY: connected backend; the name is palloc'd in the current context and
+                // copied before that context goes away.
+                unsafe {
+                    let raw = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+                    if raw.is_null() {
+                        String::new()
+                    } else {
+                        std::ffi::CStr::from_ptr(raw).to_string_lossy().into_owned()
+                    }
+                }
+            })
+            .clone()
+        })
     }
 
     /// Process id of the running relay worker, or NULL when none runs.
     #[pg_extern(volatile, parallel_safe)]
     fn relay_pid() -> Option<i32> {
-        if crate::preloaded() {
+        if crate::preloaded() && shmem::relays_serve_this_database() {
             shmem::relay_pid()
         } else {
             None
@@ -48,7 +132,7 @@ mod outbox {
     /// Whether the relay's last contact with Redis succeeded.
     #[pg_extern(volatile, parallel_safe)]
     fn redis_connected() -> bool {
-        crate::preloaded() && shmem::redis_connected()
+        crate::preloaded() && shmem::relays_serve_this_database() && shmem::redis_connected()
     }
 
     /// Ids of the events relays have claimed (in shared memory) and not settled yet, claims older
@@ -79,7 +163,7 @@ mod outbox {
             name!(claim_expired, bool),
         ),
     > {
-        if !crate::preloaded() {
+        if !crate::preloaded() || !shmem::relays_serve_this_database() {
             return TableIterator::new(Vec::new());
         }
         let held = claims::held(guc::lease());
@@ -99,8 +183,9 @@ mod outbox {
         TableIterator::new(rows)
     }
 
-    /// The relay's state as `outbox.stats` shows it: pid, Redis health, latest error, and how many
-    /// events the relays hold claimed in shared memory.
+    /// The relays' state as `outbox.stats` shows it: pid, Redis health, latest error, how many
+    /// events they hold claimed in shared memory, and how many they published since the server
+    /// started. In a database the relays do not serve, there is no relay to report.
     #[allow(clippy::type_complexity)] // the column list of a set-returning SQL function
     #[pg_extern(volatile, parallel_safe)]
     fn relay_status() -> TableIterator<
@@ -112,23 +197,26 @@ mod outbox {
             name!(last_error, Option<String>),
             name!(last_error_at, Option<TimestampWithTimeZone>),
             name!(in_flight, i64),
+            name!(published_total, i64),
         ),
     > {
-        let (pid, workers, connected, error, in_flight) = if crate::preloaded() {
-            (
-                shmem::relay_pid(),
-                shmem::relays_running(),
-                shmem::redis_connected(),
-                shmem::last_error(),
-                claims::in_flight_count(guc::lease()),
-            )
-        } else {
-            (None, 0, false, None, 0)
-        };
+        let (pid, workers, connected, error, in_flight, published) =
+            if crate::preloaded() && shmem::relays_serve_this_database() {
+                (
+                    shmem::relay_pid(),
+                    shmem::relays_running(),
+                    shmem::redis_connected(),
+                    shmem::last_error(),
+                    claims::in_flight_count(guc::lease()),
+                    shmem::published_total(),
+                )
+            } else {
+                (None, 0, false, None, 0, 0)
+            };
         let (message, at) = match error {
             Some((message, at)) => (Some(message), TimestampWithTimeZone::try_from(at).ok()),
             None => (None, None),
         };
-        TableIterator::once((pid, workers, connected, message, at, in_flight))
+        TableIterator::once((pid, workers, connected, message, at, in_flight, published))
     }
 }

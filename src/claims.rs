@@ -5,8 +5,9 @@
 //! (the mark is the only one), which is most of the relay's cost (see docs/performance.md).
 //!
 //! Correctness rests on one rule: every claim, by a relay or by a session calling
-//! `outbox._claim_batch`, holds the claim lock (a transaction-level advisory lock) from before it
-//! reads these slots until its transaction ends, and registers what it took before committing.
+//! `outbox._claim_batch`, holds the claim lock (a transaction-level lock only this extension can
+//! take, see `lock_for_claim`) from before it reads these slots until its transaction ends, and
+//! registers what it took before committing.
 //! A relay reads the slots *before* its claim query takes its snapshot, and a slot is only
 //! cleared after the settling transaction committed, so for every pending row it sees, either
 //! the row is in a slot (in flight: skipped), or it was never claimed, or its mark committed
@@ -28,28 +29,63 @@ use crate::shmem::MAX_RELAYS;
 /// Most ids one claim can hold: the maximum of `outbox.batch_size`.
 pub const CLAIM_CAPACITY: usize = 10_000;
 
-/// The claim lock is the advisory lock `pg_advisory_xact_lock(CLAIM_LOCK_CLASS, CLAIM_LOCK_ID)`,
-/// spelled out with these numbers in `outbox._claim_batch` too. The class is "outb" in ASCII.
+/// The claim lock is a lock of type `LOCKTAG_USERLOCK` (PostgreSQL keeps that type for
+/// extensions; no SQL function takes it), keyed by database and these two numbers ("outb" in ASCII,
+/// then 1). It used to be an advisory lock, and any role can take advisory locks: an unprivileged
+/// login holding that key stopped every relay. Now only code of this extension can hold it: the
+/// relays, and sessions through `outbox._claim_batch` (whose EXECUTE is revoked from PUBLIC).
 const CLAIM_LOCK_CLASS: u32 = 1_869_968_482;
 const CLAIM_LOCK_ID: u32 = 1;
 
-/// Takes the claim lock until the end of the current transaction, waiting for it if need be:
-/// exactly what `pg_advisory_xact_lock(1869968482, 1)` does, without a statement to run (this is
-/// on every round's path).
-pub fn lock_for_claim() {
-    // SET_LOCKTAG_INT32 of PostgreSQL's advisory lock functions: database, both keys, and 2 for
-    // "two int4 keys" (1 is the bigint form).
-    let tag = pg_sys::LOCKTAG {
-        // SAFETY: set when the worker connected to its database.
+fn claim_lock_tag() -> pg_sys::LOCKTAG {
+    pg_sys::LOCKTAG {
+        // SAFETY: set when the process connected to its database.
         locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
         locktag_field2: CLAIM_LOCK_CLASS,
         locktag_field3: CLAIM_LOCK_ID,
-        locktag_field4: 2,
-        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_field4: 0,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_USERLOCK as u8,
         locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
-    };
-    // SAFETY: inside a transaction; a transaction-level (not session) lock in ExclusiveLock mode,
-    // as pg_advisory_xact_lock takes it; it raises (and is then released) like any lock wait.
+    }
+}
+
+/// Whether the claim lock was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimLock {
+    Held,
+    /// The relay was asked to stop (SIGTERM) while another claimer held the lock.
+    Stopping,
+}
+
+/// Takes the claim lock until the end of the current transaction, waiting for it if need be and
+/// returning early when `stop_requested` says so. A plain lock wait would not do: PostgreSQL's
+/// lock wait only notices termination through its own SIGTERM handler, which a background worker
+/// replaces, so a relay stuck behind a session's open claim would not answer
+/// `pg_terminate_backend` or a fast shutdown. So the relay tries without waiting and sleeps a
+/// little between tries; a claim transaction lasts milliseconds, so this rarely loops.
+pub fn lock_for_claim(stop_requested: impl Fn() -> bool) -> ClaimLock {
+    let tag = claim_lock_tag();
+    let mut pause = Duration::from_micros(200);
+    loop {
+        // SAFETY: inside a transaction; a transaction-level (not session) lock; with dontWait the
+        // call never sleeps and reports a busy lock as LOCKACQUIRE_NOT_AVAIL.
+        let acquired = unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false, true) };
+        if acquired != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL {
+            return ClaimLock::Held;
+        }
+        if stop_requested() {
+            return ClaimLock::Stopping;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+}
+
+/// The claim lock for a session (`outbox._claim_batch`): an ordinary lock wait, which a client
+/// backend's own SIGTERM handling and `statement_timeout`/`lock_timeout` interrupt as usual.
+pub fn lock_for_claim_in_session() {
+    let tag = claim_lock_tag();
+    // SAFETY: inside a transaction; a transaction-level lock, waited for like any other.
     unsafe { pg_sys::LockAcquire(&tag, pg_sys::ExclusiveLock as pg_sys::LOCKMODE, false, false) };
 }
 

@@ -58,6 +58,35 @@ impl OutboxEvent {
 
     /// The entry's field/value pairs, in a fixed order. `headers` is present only when the event
     /// has headers.
+    /// About how many bytes this event takes on the wire to Redis (its fields and their names,
+    /// not the stream key or the protocol's framing): what a batch's size budget counts.
+    pub fn approximate_size(&self) -> usize {
+        const FIXED: usize = 200; // field names, ids, sequence number, timestamp
+        FIXED
+            + self.aggregate_type.len()
+            + self.aggregate_id.len()
+            + self.event_type.len()
+            + self.payload.len()
+            + self.headers.as_ref().map_or(0, String::len)
+            + self.stream.as_ref().map_or(0, String::len)
+    }
+
+    /// The longest single argument this event's XADD carries, and which field it is: Redis refuses
+    /// an argument longer than its `proto-max-bulk-len`, and does so by closing the connection.
+    pub fn largest_argument(&self) -> (&'static str, usize) {
+        [
+            ("payload", self.payload.len()),
+            ("headers", self.headers.as_ref().map_or(0, String::len)),
+            ("aggregate_id", self.aggregate_id.len()),
+            ("stream", self.stream.as_ref().map_or(0, String::len)),
+            ("aggregate_type", self.aggregate_type.len()),
+            ("event_type", self.event_type.len()),
+        ]
+        .into_iter()
+        .max_by_key(|(_, len)| *len)
+        .unwrap_or(("payload", 0))
+    }
+
     pub fn fields(&self) -> Vec<(&'static str, String)> {
         let mut fields = vec![
             ("event_id", self.event_id.clone()),

@@ -43,9 +43,15 @@ static STREAM_TEMPLATE: GucSetting<Option<CString>> =
 /// `outbox.stream_maxlen` (default 0 = never trim, reload): approximate `MAXLEN ~` for XADD.
 static STREAM_MAXLEN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
-/// `outbox.max_payload_size` (default 1MB, superuser may change per session): largest payload,
-/// as JSON text, that `outbox_enqueue` accepts.
+/// `outbox.max_payload_size` (default 1MB, at most 512MB, superuser may change per session):
+/// largest payload, as JSON text, that `outbox_enqueue` accepts. The ceiling is Redis's own
+/// default limit for one argument (`proto-max-bulk-len`).
 static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+pub const MAX_PAYLOAD_SIZE_CEILING: i32 = 512 * 1024 * 1024;
+
+/// `outbox.allowed_streams` (default `*`, superuser only): comma-separated glob patterns of the
+/// Redis keys events may be written to, checked at enqueue (see src/streams.rs).
+static ALLOWED_STREAMS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
 
 /// `outbox.lease` (default 30s, reload): how long a claim may go unsettled before its events are
 /// claimed again by others (its relay or session hung or lost its connection). A relay's claim
@@ -107,17 +113,34 @@ static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
 pub fn init(preloading: bool) {
     // SAFETY: `show_redis_url` is a `#[pg_guard]`ed show hook that only reads the setting.
     unsafe {
+        // The URL may hold a password. SUPERUSER_ONLY alone is not enough: members of
+        // pg_read_all_settings (pg_monitor) see such settings too, and pg_settings shows the raw
+        // value in its reset_val and boot_val columns, past the show hook. NO_SHOW_ALL keeps the
+        // setting out of pg_settings and SHOW ALL altogether; SHOW and current_setting() go
+        // through the show hook, which masks the credentials for everyone.
         GucRegistry::define_string_guc_with_hooks(
             c"outbox.redis_url",
             c"Redis URL the relay publishes to (redis:// or rediss://).",
-            c"May contain a password; visible to superusers only and shown with the password masked. \
+            c"May contain a password: shown only masked, and left out of pg_settings. \
               Prefer outbox.redis_password_file for the password.",
             &REDIS_URL,
             GucContext::Sighup,
-            GucFlags::SUPERUSER_ONLY,
+            GucFlags::SUPERUSER_ONLY | GucFlags::NO_SHOW_ALL,
             None,
             None,
             Some(show_redis_url),
+        );
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.allowed_streams",
+            c"Comma-separated glob patterns of the Redis streams events may be written to.",
+            c"Checked by outbox_enqueue, for an explicit stream and for the outbox.stream template alike. \
+              * matches any run of characters, ? one character, \\ makes the next one literal.",
+            &ALLOWED_STREAMS,
+            GucContext::Suset,
+            GucFlags::empty(),
+            Some(check_allowed_streams),
+            None,
+            None,
         );
     }
     GucRegistry::define_string_guc(
@@ -202,7 +225,7 @@ pub fn init(preloading: bool) {
         c"",
         &MAX_PAYLOAD_SIZE,
         1,
-        i32::MAX,
+        MAX_PAYLOAD_SIZE_CEILING,
         GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
@@ -340,6 +363,10 @@ pub fn max_payload_size() -> i32 {
     MAX_PAYLOAD_SIZE.get()
 }
 
+pub fn allowed_streams() -> String {
+    string_of(&ALLOWED_STREAMS)
+}
+
 pub fn lease_ms() -> i32 {
     LEASE_MS.get()
 }
@@ -396,4 +423,32 @@ unsafe extern "C-unwind" fn show_redis_url() -> *const c_char {
         *shown.borrow_mut() = masked;
         shown.borrow().as_ptr()
     })
+}
+
+/// Refuses an `outbox.allowed_streams` that does not parse (an empty pattern, a trailing `\`),
+/// with the reason as the error's detail.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_allowed_streams(
+    newval: *mut *mut c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pg_sys::GucSource::Type,
+) -> bool {
+    // SAFETY: PostgreSQL passes a valid pointer to the proposed value (a C string or NULL).
+    let value = unsafe {
+        let value = *newval;
+        if value.is_null() {
+            return true;
+        }
+        std::ffi::CStr::from_ptr(value).to_string_lossy().into_owned()
+    };
+    match crate::streams::validate(&value) {
+        Ok(()) => true,
+        Err(reason) => {
+            let detail = CString::new(reason).unwrap_or_default();
+            // SAFETY: GUC_check_errdetail_string must be palloc'd; pstrdup copies into the current
+            // memory context, as the GUC_check_errdetail macro does.
+            unsafe { pg_sys::GUC_check_errdetail_string = pg_sys::pstrdup(detail.as_ptr()) };
+            false
+        }
+    }
 }

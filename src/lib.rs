@@ -6,6 +6,8 @@
 //! - `api`: SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
 //! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
 //! - `claims`: the relays' claims, held in shared memory rather than written to the table.
+//! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
+//! - `dropdb`: relays step aside when their database is dropped.
 //! - `worker`: the launcher and relay background workers.
 //! - `sink`: the only code that speaks to Redis; `entry`: a row as a stream entry.
 #![forbid(unsafe_op_in_unsafe_fn)]
@@ -16,10 +18,12 @@ use pgrx::prelude::*;
 
 mod api;
 mod claims;
+mod dropdb;
 mod entry;
 mod guc;
 mod shmem;
 mod sink;
+mod streams;
 mod wake;
 mod worker;
 
@@ -55,6 +59,7 @@ pub extern "C-unwind" fn _PG_init() {
     shmem::init();
     claims::init();
     wake::init();
+    dropdb::init();
     worker::launcher::register();
     PRELOADED.store(true, Ordering::Relaxed);
 }

@@ -1,7 +1,7 @@
 //! What backends and the relay worker share: where to find the relay's latch so that a committing
 //! backend can wake it, and the relay's status for monitoring.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicUsize, Ordering};
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
@@ -31,6 +31,14 @@ pub struct RelayShared {
     /// Set while the relays are paused (`outbox.enabled = off`): committing backends then leave
     /// them asleep instead of waking them for nothing on every commit.
     paused: AtomicBool,
+    /// The database the relays serve (its OID), 0 before the first relay started: functions
+    /// called in another database report no relay rather than this one's.
+    relay_database: AtomicU32,
+    /// Events the relays published since the server started (`outbox.stats.published_total`).
+    published_total: AtomicI64,
+    /// A database being dropped (its OID), set by the drop hook in the dropping backend: the relays
+    /// connected to it exit so that DROP DATABASE does not find them there. 0 when none.
+    step_aside_for: AtomicU32,
 }
 
 /// The relay's most recent error message, truncated to fit; shown in `outbox.stats`.
@@ -143,6 +151,12 @@ pub fn register_relay(slot: usize) {
     let proc = unsafe { pg_sys::MyProc } as usize;
     // SAFETY: MyProcPid is set for every backend.
     let pid = unsafe { pg_sys::MyProcPid };
+    // SAFETY: set when the worker connected to its database.
+    let database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    RELAY.get().relay_database.store(database, Ordering::SeqCst);
+    // Connected, so a drop of this database that asked relays to step aside has failed (the
+    // connection waited for it to end): the request is void.
+    let _ = RELAY.get().step_aside_for.compare_exchange(database, 0, Ordering::SeqCst, Ordering::SeqCst);
     RELAY.get().relay_pid[slot].store(pid, Ordering::SeqCst);
     RELAY.get().relay_proc[slot].store(proc, Ordering::SeqCst);
 }
@@ -170,6 +184,42 @@ pub fn relay_pid_in(slot: usize) -> Option<i32> {
     Some(RELAY.get().relay_pid[slot].load(Ordering::SeqCst)).filter(|&pid| pid != 0)
 }
 
+/// Whether the relays serve the database this process is connected to. Everything that reports
+/// on the relays (`outbox.stats`, `outbox.relays()`, `relay_pid()`) asks this first, so that the
+/// stats of a database tell that database's truth.
+pub fn relays_serve_this_database() -> bool {
+    // SAFETY: MyDatabaseId is set once a backend is connected (InvalidOid before, which no relay has).
+    let here = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    here != 0 && RELAY.get().relay_database.load(Ordering::SeqCst) == here
+}
+
+/// The database the relays serve, if one ever started.
+pub fn relay_database() -> Option<pg_sys::Oid> {
+    Some(RELAY.get().relay_database.load(Ordering::SeqCst)).filter(|&oid| oid != 0).map(pg_sys::Oid::from)
+}
+
+/// Counts events a relay published (after the settle committed).
+pub fn add_published(events: i64) {
+    RELAY.get().published_total.fetch_add(events, Ordering::Relaxed);
+}
+
+pub fn published_total() -> i64 {
+    RELAY.get().published_total.load(Ordering::Relaxed)
+}
+
+/// Asks the relays connected to `database` to exit (it is being dropped), and wakes them.
+pub fn request_step_aside(database: pg_sys::Oid) {
+    RELAY.get().step_aside_for.store(database.to_u32(), Ordering::SeqCst);
+    set_every_relay_latch();
+}
+
+/// Whether the database this relay is connected to is being dropped.
+pub fn step_aside_requested() -> bool {
+    // SAFETY: set when the worker connected to its database.
+    let here = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    here != 0 && RELAY.get().step_aside_for.load(Ordering::SeqCst) == here
+}
+
 /// Process id of the first running relay, if any.
 pub fn relay_pid() -> Option<i32> {
     (0..MAX_RELAYS).find_map(relay_pid_in)
@@ -192,6 +242,10 @@ pub fn wake_relays() {
         // Re-enabling is a reload, which wakes each relay by itself (SIGHUP).
         return;
     }
+    set_every_relay_latch();
+}
+
+fn set_every_relay_latch() {
     for slot in &RELAY.get().relay_proc {
         let proc = slot.load(Ordering::SeqCst) as *mut pg_sys::PGPROC;
         if !proc.is_null() {

@@ -48,7 +48,13 @@ pub enum EntryOutcome {
 pub struct RedisSink {
     config: Option<RedisConfig>,
     connection: Option<redis::Connection>,
+    /// Redis's `proto-max-bulk-len`, the longest argument it accepts, as read at connect (Redis's
+    /// default when the relay's user may not read the configuration).
+    max_argument: u64,
 }
+
+/// Redis's default `proto-max-bulk-len` (512 MB).
+const DEFAULT_MAX_ARGUMENT: u64 = 512 * 1024 * 1024;
 
 /// Server error codes that describe the server's state, not the entry: retried without limit.
 const BROKER_WIDE_CODES: &[&str] = &[
@@ -74,7 +80,7 @@ impl Default for RedisSink {
 
 impl RedisSink {
     pub fn new() -> Self {
-        RedisSink { config: None, connection: None }
+        RedisSink { config: None, connection: None, max_argument: DEFAULT_MAX_ARGUMENT }
     }
 
     /// Applies (possibly new) settings; a changed configuration drops the current connection so
@@ -98,7 +104,9 @@ impl RedisSink {
     fn connection(&mut self) -> Result<&mut redis::Connection, BrokerError> {
         if self.connection.is_none() {
             let config = self.config.as_ref().ok_or_else(|| BrokerError("outbox.redis_url is not set".into()))?;
-            self.connection = Some(connect(config)?);
+            let mut connection = connect(config)?;
+            self.max_argument = max_argument(&mut connection);
+            self.connection = Some(connection);
         }
         // The branch above either filled the slot or returned.
         self.connection.as_mut().ok_or_else(|| BrokerError("no connection".into()))
@@ -124,9 +132,17 @@ impl RedisSink {
         if events.is_empty() {
             return Ok(Vec::new());
         }
+        let _quiet = SignalsDeferred::new();
+        // Connect first: that is where the size limit below is learnt.
+        self.connection()?;
+        let (mut outcomes, sendable) = refuse_oversized(events, self.max_argument);
+        if sendable.is_empty() {
+            return Ok(outcomes);
+        }
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for event in events {
+        for &index in &sendable {
+            let event = &events[index];
             let cmd = pipe.cmd("XADD").arg(event.stream_key(stream_template));
             if let Some(maxlen) = maxlen {
                 cmd.arg("MAXLEN").arg("~").arg(maxlen);
@@ -138,15 +154,64 @@ impl RedisSink {
         }
         let packed = pipe.get_packed_pipeline();
         let timeout = self.config.as_ref().map_or(Duration::from_secs(5), |c| c.timeout);
-        let _quiet = SignalsDeferred::new();
         let connection = self.connection()?;
-        let outcome = exchange(connection, &packed, events.len(), Instant::now() + timeout);
-        if outcome.is_err() {
-            // Replies may still be in flight: this connection's stream can no longer be trusted.
+        let exchanged = exchange(connection, &packed, sendable.len(), Instant::now() + timeout);
+        let keep_connection = matches!(&exchanged, Ok(sent) if !sent.connection_closed);
+        if !keep_connection {
+            // Replies may still be in flight, or Redis closed the connection after a protocol
+            // error: this connection's stream can no longer be trusted.
             self.connection = None;
         }
-        outcome
+        for (index, outcome) in sendable.into_iter().zip(exchanged?.outcomes) {
+            outcomes[index] = outcome;
+        }
+        Ok(outcomes)
     }
+}
+
+/// Refuses, without sending them, the events with an argument longer than Redis accepts
+/// (`max_argument`): Redis would answer with a protocol error and close the connection, which
+/// looks like a Redis-wide failure and would be retried forever, holding back every later event.
+/// Refused here, such an event is rejected like any event Redis refuses because of itself (backoff,
+/// then dead letter). Later events of its aggregate in the batch are not sent this round, so that
+/// they never overtake it. Returns the outcomes so far and the indexes still to send.
+fn refuse_oversized(events: &[OutboxEvent], max_argument: u64) -> (Vec<EntryOutcome>, Vec<usize>) {
+    let mut outcomes = vec![EntryOutcome::NotSent; events.len()];
+    let mut sendable = Vec::with_capacity(events.len());
+    let mut held_back: Vec<(&str, &str)> = Vec::new();
+    for (index, event) in events.iter().enumerate() {
+        let aggregate = (event.aggregate_type.as_str(), event.aggregate_id.as_str());
+        let (field, len) = event.largest_argument();
+        if len as u64 > max_argument {
+            outcomes[index] = EntryOutcome::Rejected(format!(
+                "event too large for Redis: its {field} is {len} bytes, Redis accepts at most {max_argument} \
+                 (proto-max-bulk-len)"
+            ));
+            held_back.push(aggregate);
+        } else if !held_back.contains(&aggregate) {
+            sendable.push(index);
+        }
+    }
+    (outcomes, sendable)
+}
+
+/// Reads Redis's `proto-max-bulk-len`. A user without the right to read the configuration (ACLs,
+/// managed services that rename CONFIG) gets Redis's default; a limit lowered below it then shows
+/// up as a protocol error, which `exchange` also pins on the entry that caused it.
+fn max_argument(connection: &mut redis::Connection) -> u64 {
+    let reply: redis::RedisResult<Vec<String>> =
+        redis::cmd("CONFIG").arg("GET").arg("proto-max-bulk-len").query(connection);
+    match reply {
+        Ok(pair) => pair.get(1).and_then(|value| value.parse().ok()).unwrap_or(DEFAULT_MAX_ARGUMENT),
+        Err(_) => DEFAULT_MAX_ARGUMENT,
+    }
+}
+
+/// What one exchange produced.
+struct Exchanged {
+    outcomes: Vec<EntryOutcome>,
+    /// Redis closed the connection (after a protocol error).
+    connection_closed: bool,
 }
 
 /// Sends a packed MULTI + `count` commands + EXEC and reads every reply before `deadline`. The
@@ -157,7 +222,7 @@ fn exchange(
     packed: &[u8],
     count: usize,
     deadline: Instant,
-) -> Result<Vec<EntryOutcome>, BrokerError> {
+) -> Result<Exchanged, BrokerError> {
     connection.send_packed_command(packed).map_err(|e| BrokerError(describe_error(&e)))?;
     let mut next_reply = || -> Result<redis::Value, BrokerError> {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -177,36 +242,65 @@ fn exchange(
     let mut refused_at_queueing = Vec::new();
     for index in 0..count {
         if let redis::Value::ServerError(error) = next_reply()? {
+            if is_protocol_error(&error) {
+                // Redis could not read this command (an argument over proto-max-bulk-len, say)
+                // and closes the connection: the entry is at fault, the others were not executed.
+                let mut outcomes = vec![EntryOutcome::NotSent; count];
+                outcomes[index] = EntryOutcome::Rejected(error.to_string());
+                return Ok(Exchanged { outcomes, connection_closed: true });
+            }
             refused_at_queueing.push((index, error));
         }
     }
     let exec = next_reply()?;
-    if let Some((_, error)) = refused_at_queueing.iter().find(|(_, e)| is_broker_wide_code(e.code())) {
+    if let Some((_, error)) = refused_at_queueing.iter().find(|(_, e)| is_broker_wide(e)) {
         return Err(BrokerError(error.to_string()));
     }
     if !refused_at_queueing.is_empty() {
-        // Refused for the entry itself at queueing time (never seen with XADD, kept for safety):
+        // Refused for the entry itself at queueing time (a key the Redis user may not write):
         // those entries are rejected, the rest of the discarded transaction goes again next round.
         let mut outcomes = vec![EntryOutcome::NotSent; count];
         for (index, error) in refused_at_queueing {
             outcomes[index] = EntryOutcome::Rejected(error.to_string());
         }
-        return Ok(outcomes);
+        return Ok(Exchanged { outcomes, connection_closed: false });
     }
     match exec {
-        redis::Value::Array(replies) if replies.len() == count => Ok(replies
-            .into_iter()
-            .map(|reply| match reply {
-                redis::Value::ServerError(error) if is_broker_wide_code(error.code()) => {
-                    EntryOutcome::BrokerRefused(error.to_string())
-                }
-                redis::Value::ServerError(error) => EntryOutcome::Rejected(error.to_string()),
-                _ => EntryOutcome::Published,
-            })
-            .collect()),
+        redis::Value::Array(replies) if replies.len() == count => Ok(Exchanged {
+            outcomes: replies
+                .into_iter()
+                .map(|reply| match reply {
+                    redis::Value::ServerError(error) if is_broker_wide(&error) => {
+                        EntryOutcome::BrokerRefused(error.to_string())
+                    }
+                    redis::Value::ServerError(error) => EntryOutcome::Rejected(error.to_string()),
+                    _ => EntryOutcome::Published,
+                })
+                .collect(),
+            connection_closed: false,
+        }),
         redis::Value::ServerError(error) => Err(BrokerError(error.to_string())),
         other => Err(BrokerError(format!("unexpected EXEC reply from Redis: {other:?}"))),
     }
+}
+
+/// Whether Redis answered that it could not parse a command (then it closes the connection).
+fn is_protocol_error(error: &redis::ServerError) -> bool {
+    error.code() == "ERR" && error.details().is_some_and(|details| details.starts_with("Protocol error"))
+}
+
+/// Whether a refusal concerns Redis as a whole rather than one entry. NOPERM is both: a user who
+/// may not run XADD (or MULTI) can publish nothing, while a user whose ACL key patterns leave out
+/// one stream can still publish every other. Redis words the first "... permissions to run the
+/// 'xadd' command" and the second "... permissions to access one of the keys used as arguments"
+/// (7.0) or "... to access the 'k' key" / "No permissions to access a key" (7.2 and later): a
+/// NOPERM that speaks of a key and not of a command is the entry's.
+fn is_broker_wide(error: &redis::ServerError) -> bool {
+    if error.code() == "NOPERM" {
+        let details = error.details().unwrap_or_default().to_ascii_lowercase();
+        return !(details.contains("key") && !details.contains("command"));
+    }
+    is_broker_wide_code(error.code())
 }
 
 /// Defers PostgreSQL's signals (latch wake-ups, SIGHUP, SIGTERM, procsignals) while a Redis round
@@ -316,7 +410,9 @@ pub fn read_password_file(path: &str) -> Result<String, BrokerError> {
     Ok(password.to_string())
 }
 
-/// `host:port` (or the socket path) of a Redis URL, for log lines. Never includes credentials.
+/// `host:port` (or the socket path) of a Redis URL, for log lines. Never includes credentials: a
+/// URL that does not parse is shown by its location only (what follows the credentials), marked
+/// invalid.
 pub fn describe_target(url: &str) -> String {
     match url.trim().into_connection_info() {
         Ok(info) => match info.addr() {
@@ -325,28 +421,43 @@ pub fn describe_target(url: &str) -> String {
             ConnectionAddr::Unix(path) => path.display().to_string(),
             _ => "(unknown address)".into(),
         },
-        Err(_) => redact_url(url),
+        Err(_) => match location(url.trim()) {
+            "" => "(invalid outbox.redis_url)".into(),
+            location => format!("{location} (invalid outbox.redis_url)"),
+        },
     }
 }
 
-/// The URL with any password replaced by `****` (and a lone user-info, which some clients read as
-/// a password, masked too). Used wherever a URL is shown: `SHOW`, `pg_settings`, log lines.
+/// What follows the credentials and precedes any query or fragment: host, port and database.
+/// Credentials end at the *last* `@`, since a password may hold `@`, `/`, `?` or `#` unencoded.
+fn location(url: &str) -> &str {
+    let rest = url.find("://").map_or(url, |end| &url[end + 3..]);
+    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
+    &rest[..rest.find(['?', '#']).unwrap_or(rest.len())]
+}
+
+/// The URL with its credentials masked, as `SHOW outbox.redis_url` prints it: scheme, user name
+/// (when it is plainly one), `****` for the password, and the location; the query and fragment are
+/// dropped, since some clients read credentials from them. Whatever characters the password holds,
+/// none of it is shown.
 pub fn redact_url(url: &str) -> String {
+    let url = url.trim();
     let Some(scheme_end) = url.find("://") else {
-        return if url.contains('@') { "****".into() } else { url.to_string() };
+        return if url.is_empty() { String::new() } else { "(invalid: not a redis:// URL)".into() };
     };
-    let (scheme, rest) = url.split_at(scheme_end + 3);
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    match authority.rfind('@') {
-        None => url.to_string(),
+    let scheme = &url[..scheme_end + 3];
+    let rest = &url[scheme_end + 3..];
+    let location = location(url);
+    match rest.rfind('@') {
+        None => format!("{scheme}{location}"),
         Some(at) => {
-            let (userinfo, host) = authority.split_at(at);
-            let masked = match userinfo.find(':') {
-                Some(colon) => format!("{}:****", &userinfo[..colon]),
-                None => "****".to_string(),
-            };
-            format!("{scheme}{masked}{host}{path}")
+            let userinfo = &rest[..at];
+            match userinfo.find(':') {
+                Some(colon) if !userinfo[..colon].contains(['/', '?', '#']) => {
+                    format!("{scheme}{}:****@{location}", &userinfo[..colon])
+                }
+                _ => format!("{scheme}****@{location}"),
+            }
         }
     }
 }
@@ -363,6 +474,48 @@ mod tests {
         assert_eq!(redact_url("redis://s3cret@h"), "redis://****@h");
         assert_eq!(redact_url("redis://u:p@ss@h/0"), "redis://u:****@h/0");
         assert!(!redact_url("garbage:s3cret@x").contains("s3cret"));
+    }
+
+    #[test]
+    fn redact_hides_passwords_holding_reserved_characters() {
+        for (url, shown) in [
+            ("redis://:p/a?s#s@127.0.0.1:6379", "redis://:****@127.0.0.1:6379"),
+            ("redis://app:se@cr/et@h:1/2", "redis://app:****@h:1/2"),
+            ("rediss://app:x?y#z@h:1/0?protocol=resp3", "rediss://app:****@h:1/0"),
+            ("redis://h:1/0?password=s3cret", "redis://h:1/0"),
+            ("redis://us/er:pw@h", "redis://****@h"),
+        ] {
+            assert_eq!(redact_url(url), shown, "{url}");
+        }
+    }
+
+    #[test]
+    fn unparseable_urls_are_described_by_location_only() {
+        let described = describe_target("redis://:p/a?s#s@127.0.0.1:6379");
+        assert!(!described.contains("p/a") && !described.contains("s#s"), "{described}");
+        assert!(described.contains("127.0.0.1:6379") && described.contains("invalid"), "{described}");
+        assert_eq!(describe_target("redis://:only-a-secret@"), "(invalid outbox.redis_url)");
+    }
+
+    #[test]
+    fn oversized_events_are_refused_and_hold_back_their_aggregate_only() {
+        let event = |id: i64, aggregate_id: &str, payload_len: usize| OutboxEvent {
+            id,
+            event_id: format!("e{id}"),
+            aggregate_type: "t".into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_seq: id,
+            event_type: "x".into(),
+            payload: "p".repeat(payload_len),
+            headers: None,
+            stream: None,
+            created_at: String::new(),
+        };
+        let events = [event(1, "a", 10), event(2, "a", 2000), event(3, "b", 10), event(4, "a", 10)];
+        let (outcomes, sendable) = refuse_oversized(&events, 1000);
+        assert_eq!(sendable, [0, 2]);
+        assert!(matches!(&outcomes[1], EntryOutcome::Rejected(e) if e.contains("payload is 2000 bytes")));
+        assert_eq!(outcomes[3], EntryOutcome::NotSent);
     }
 
     #[test]

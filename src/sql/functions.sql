@@ -20,6 +20,7 @@ AS $fn$
 DECLARE
     payload_limit integer;
     payload_bytes integer;
+    headers_bytes integer;
     next_seq      bigint;
     new_event_id  uuid;
 BEGIN
@@ -31,6 +32,11 @@ BEGIN
         RAISE EXCEPTION 'outbox_enqueue: aggregate_type must not be empty (got '''')'
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass the kind of entity the event is about, e.g. ''payment''.';
+    ELSIF octet_length(outbox_enqueue.aggregate_type) > 255 THEN
+        RAISE EXCEPTION 'outbox_enqueue: aggregate_type is % bytes long (starts with %), the limit is 255 bytes',
+                octet_length(outbox_enqueue.aggregate_type), quote_literal(left(outbox_enqueue.aggregate_type, 40))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'aggregate_type names a kind of entity, e.g. ''payment''; put data in the payload.';
     END IF;
     IF outbox_enqueue.aggregate_id IS NULL THEN
         RAISE EXCEPTION 'outbox_enqueue: aggregate_id must not be NULL'
@@ -40,6 +46,11 @@ BEGIN
         RAISE EXCEPTION 'outbox_enqueue: aggregate_id must not be empty (got '''')'
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass the id of the entity the event is about (text, bigint or uuid).';
+    ELSIF octet_length(outbox_enqueue.aggregate_id) > 1024 THEN
+        RAISE EXCEPTION 'outbox_enqueue: aggregate_id is % bytes long (starts with %), the limit is 1024 bytes',
+                octet_length(outbox_enqueue.aggregate_id), quote_literal(left(outbox_enqueue.aggregate_id, 40))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass the id of the entity the event is about (text, bigint or uuid); put data in the payload.';
     END IF;
     IF outbox_enqueue.event_type IS NULL THEN
         RAISE EXCEPTION 'outbox_enqueue: event_type must not be NULL'
@@ -49,17 +60,31 @@ BEGIN
         RAISE EXCEPTION 'outbox_enqueue: event_type must not be empty (got '''')'
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Pass what happened, e.g. ''payment.created''.';
+    ELSIF octet_length(outbox_enqueue.event_type) > 255 THEN
+        RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes long (starts with %), the limit is 255 bytes',
+                octet_length(outbox_enqueue.event_type), quote_literal(left(outbox_enqueue.event_type, 40))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'event_type names what happened, e.g. ''payment.created''; put data in the payload.';
     END IF;
     IF outbox_enqueue.payload IS NULL THEN
         RAISE EXCEPTION 'outbox_enqueue: payload must not be NULL'
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass a jsonb value; use ''null''::jsonb for an event without a body.';
     END IF;
-    IF outbox_enqueue.headers IS NOT NULL AND jsonb_typeof(outbox_enqueue.headers) <> 'object' THEN
-        RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, got a JSON %: %',
-                jsonb_typeof(outbox_enqueue.headers), left(outbox_enqueue.headers::text, 100)
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass e.g. ''{"trace_id": "abc"}''::jsonb, or NULL for no headers.';
+    IF outbox_enqueue.headers IS NOT NULL THEN
+        IF jsonb_typeof(outbox_enqueue.headers) <> 'object' THEN
+            RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, got a JSON %: %',
+                    jsonb_typeof(outbox_enqueue.headers), left(outbox_enqueue.headers::text, 100)
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Pass e.g. ''{"trace_id": "abc"}''::jsonb, or NULL for no headers.';
+        END IF;
+        headers_bytes := octet_length(outbox_enqueue.headers::text);
+        IF headers_bytes > 65536 THEN
+            RAISE EXCEPTION 'outbox_enqueue: headers are % bytes as JSON text (starts with %), the limit is 65536 bytes',
+                    headers_bytes, left(outbox_enqueue.headers::text, 40)
+                USING ERRCODE = 'program_limit_exceeded',
+                      HINT = 'Headers carry small metadata such as trace ids; put data in the payload.';
+        END IF;
     END IF;
     IF outbox_enqueue.stream IS NOT NULL THEN
         IF outbox_enqueue.stream = '' THEN
@@ -74,9 +99,10 @@ BEGIN
         END IF;
     END IF;
 
-    -- Checks the relay is preloaded (else nothing would ever deliver the event) and arms the
-    -- commit-time wake-up of the relay; returns outbox.max_payload_size in bytes.
-    payload_limit := outbox._prepare_enqueue();
+    -- Checks that a relay will deliver the event (the library is preloaded and relays this
+    -- database) and that its stream is one outbox.allowed_streams permits, arms the commit-time
+    -- wake-up of the relay, and returns outbox.max_payload_size in bytes.
+    payload_limit := outbox._prepare_enqueue(outbox_enqueue.aggregate_type, outbox_enqueue.event_type, outbox_enqueue.stream);
     -- The limit applies to what is sent to Redis: the payload's JSON text.
     payload_bytes := octet_length(outbox_enqueue.payload::text);
     IF payload_bytes > payload_limit THEN
@@ -145,6 +171,8 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
     first_time boolean;
+    caller     regrole;
+    owner_role regrole;
 BEGIN
     IF outbox_mark_processed.consumer IS NULL OR outbox_mark_processed.consumer = '' THEN
         RAISE EXCEPTION 'outbox_mark_processed: consumer must be a non-empty name, got %',
@@ -157,6 +185,23 @@ BEGIN
         RAISE EXCEPTION 'outbox_mark_processed: event_id must not be NULL'
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass the entry''s event_id field, e.g. outbox_mark_processed(''notifications'', ''…''::uuid).';
+    END IF;
+    -- A consumer name belongs to the role that used it first: another consumer marking events
+    -- under it would make this one skip them. current_user is the owner here (SECURITY DEFINER),
+    -- so the caller's role comes from _calling_role (the role in effect outside this function).
+    caller := outbox._calling_role();
+    SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
+    IF NOT FOUND THEN
+        INSERT INTO outbox.consumers AS c (consumer, owner)
+        VALUES (outbox_mark_processed.consumer, caller)
+        ON CONFLICT ON CONSTRAINT consumers_pkey DO NOTHING;
+        SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
+    END IF;
+    IF NOT pg_catalog.pg_has_role(caller::oid, owner_role::oid, 'MEMBER') THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer name % belongs to role %, not to %',
+                quote_literal(outbox_mark_processed.consumer), owner_role, caller
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Use a consumer name of your own, or have an outbox_admin release this one (DELETE FROM outbox.consumers WHERE consumer = ...) or grant you its owner role.';
     END IF;
     INSERT INTO outbox.processed_messages AS p (consumer, event_id)
     VALUES (outbox_mark_processed.consumer, outbox_mark_processed.event_id)
@@ -201,8 +246,9 @@ COMMENT ON FUNCTION outbox.purge_processed(interval) IS
 -- from PUBLIC.
 -- ---------------------------------------------------------------------------------------------
 
--- Two ways to claim, excluding each other through the claim lock (a transaction-level advisory
--- lock, key (1869968482, 1), "outb" in ASCII) and through what they record:
+-- Two ways to claim, excluding each other through the claim lock (a transaction-level lock of a
+-- kind no SQL function takes, so that no role can hold it but through these functions; see
+-- src/claims.rs) and through what they record:
 -- * The relay workers read a batch with _relay_batch and _relay_waiting, which write nothing: the
 --   ids go into the relay's slot in shared memory before the reading transaction commits
 --   (src/claims.rs), and the rows stay pending until the mark. One row write per event instead of
@@ -265,7 +311,7 @@ DECLARE
     held_by_relays bigint[];
 BEGIN
     -- Held to commit: no relay claims between our reading of its claims and our commit.
-    PERFORM pg_catalog.pg_advisory_xact_lock(1869968482, 1);
+    PERFORM outbox._lock_for_claim();
     held_by_relays := outbox._relay_claims();
     RETURN QUERY
         WITH candidates AS MATERIALIZED (
@@ -322,7 +368,7 @@ BEGIN
            SET status = 'publishing',
                claimed_at = clock_timestamp(),
                claimed_by = pg_backend_pid(),
-               attempts = m.attempts + 1
+               attempts = m.attempts + (m.attempts < 2147483647)::integer
           FROM claimable c
          WHERE m.id = c.id
         RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
@@ -448,7 +494,7 @@ BEGIN
     WITH settled AS (
         UPDATE outbox.messages m
            SET status = 'published', published_at = clock_timestamp(), last_error = NULL,
-               attempts = m.attempts + (m.status = 'pending')::integer
+               attempts = m.attempts + (m.status = 'pending' AND m.attempts < 2147483647)::integer
          WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
         RETURNING 1
     )
@@ -478,11 +524,12 @@ DECLARE
 BEGIN
     WITH rejected AS (
         UPDATE outbox.messages m
-           SET rejections = m.rejections + 1,
-               attempts = m.attempts + (m.status = 'pending')::integer,
+           -- Counters saturate: an overflow error here would stall the relay on this row forever.
+           SET rejections = m.rejections + (m.rejections < 2147483647)::integer,
+               attempts = m.attempts + (m.status = 'pending' AND m.attempts < 2147483647)::integer,
                last_error = error,
-               status = CASE WHEN m.rejections + 1 >= max_attempts THEN 'failed' ELSE 'pending' END,
-               failed_at = CASE WHEN m.rejections + 1 >= max_attempts THEN clock_timestamp() END,
+               status = CASE WHEN m.rejections::bigint + 1 >= max_attempts THEN 'failed' ELSE 'pending' END,
+               failed_at = CASE WHEN m.rejections::bigint + 1 >= max_attempts THEN clock_timestamp() END,
                available_at = clock_timestamp()
                               + least(retry_delay_ms * power(2, least(m.rejections, 20)), 300000) * interval '1 millisecond',
                claimed_at = NULL,
@@ -513,7 +560,7 @@ BEGIN
     WITH released AS (
         UPDATE outbox.messages m
            SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error,
-               attempts = m.attempts + (m.status = 'pending')::integer
+               attempts = m.attempts + (m.status = 'pending' AND m.attempts < 2147483647)::integer
          WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
         RETURNING 1
     )
@@ -544,9 +591,14 @@ BEGIN
                claimed_by = NULL,
                last_error = CASE WHEN m.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
                                  THEN 'claim lease expired before the publish was settled'
+                                 WHEN m.claimed_at IS NULL OR m.claimed_by IS NULL
+                                 THEN 'the claim did not record when or by whom it was made'
                                  ELSE 'the claiming process exited before the publish was settled' END
          WHERE m.status = 'publishing'
-           AND (m.claimed_at < now() - lease_ms * interval '1 millisecond'
+           -- A claim that does not say when or by whom (CHECK messages_claim_recorded forbids it,
+           -- but a superuser can write anything) could never expire: return it too.
+           AND (m.claimed_at IS NULL OR m.claimed_by IS NULL
+                OR m.claimed_at < now() - lease_ms * interval '1 millisecond'
                 OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(m.claimed_by)))
         RETURNING 1
     )
@@ -576,6 +628,8 @@ REVOKE ALL ON FUNCTION outbox._relay_claims() FROM PUBLIC;
 CREATE FUNCTION outbox.retry_failed(ids bigint[] DEFAULT NULL)
 RETURNS bigint
 LANGUAGE sql VOLATILE
+-- outbox_admin may read rows but not write them: the change is made as the owner.
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
     WITH retried AS (
@@ -595,6 +649,8 @@ COMMENT ON FUNCTION outbox.retry_failed(bigint[]) IS
 CREATE FUNCTION outbox.skip_failed(ids bigint[])
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
+-- outbox_admin may read rows but not write them: the change is made as the owner.
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -661,6 +717,8 @@ COMMENT ON FUNCTION outbox.forget_aggregates() IS
 CREATE FUNCTION outbox.purge(older_than interval)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
+-- outbox_admin may read rows but not write them: the change is made as the owner.
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
@@ -754,9 +812,7 @@ SELECT
     (SELECT count(*) FROM outbox.messages m WHERE m.status = 'publishing') + r.in_flight
                                                                             AS publishing,
     (SELECT count(*) FROM outbox.messages m WHERE m.status = 'failed')     AS failed,
-    greatest(pg_stat_get_live_tuples('outbox.messages'::regclass)
-             - (SELECT count(*) FROM outbox.messages m WHERE m.status IN ('pending', 'publishing', 'failed')), 0)
-                                                                            AS published,
+    r.published_total,
     outbox.oldest_pending_age()                                             AS oldest_pending_age,
     (SELECT max(m.published_at) FROM outbox.messages m WHERE m.status IN ('published', 'skipped'))
                                                                             AS last_published_at,
@@ -768,8 +824,8 @@ SELECT
 FROM outbox.relay_status() AS r;
 
 COMMENT ON VIEW outbox.stats IS
-    'One row of outbox health, cheap enough to poll every few seconds: exact pending/publishing/failed counts (index-backed), published is an estimate from table statistics, oldest_pending_age is the alert signal';
-COMMENT ON COLUMN outbox.stats.published IS 'Estimate: live rows per table statistics minus undelivered ones (includes skipped)';
+    'One row of outbox health, cheap enough to poll every few seconds: exact pending/publishing/failed counts (index-backed), events published since the server started, oldest_pending_age is the alert signal';
+COMMENT ON COLUMN outbox.stats.published_total IS 'Events the relays of this database published since the server started (exact; a counter like pg_stat''s, reset by a restart)';
 COMMENT ON COLUMN outbox.stats.oldest_pending_age IS 'Age of the oldest undelivered event; NULL when nothing is pending';
 COMMENT ON COLUMN outbox.stats.last_error IS 'The relay''s most recent error (Redis or database), kept after recovery; see last_error_at';
 
@@ -780,8 +836,9 @@ REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) TO outbox_writer;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) TO outbox_writer;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) TO outbox_writer;
-REVOKE ALL ON FUNCTION outbox._prepare_enqueue() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._prepare_enqueue(text, text, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._lock_for_claim() FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) TO outbox_consumer;
 REVOKE ALL ON FUNCTION outbox.purge_processed(interval) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.purge_processed(interval) TO outbox_admin;

@@ -14,24 +14,54 @@ BEGIN
 END
 $guard$;
 
+-- Events travel as UTF-8 JSON, and the relay reads every text column as UTF-8. In a database of
+-- another encoding one event with a non-ASCII character would be unreadable to the relay, so the
+-- extension refuses such a database up front rather than fail at the first accented name.
+DO $encoding$
+BEGIN
+    IF pg_catalog.getdatabaseencoding() <> 'UTF8' THEN
+        RAISE EXCEPTION 'outbox_pg: database "%" uses encoding %, but outbox_pg needs UTF8',
+                pg_catalog.current_database(), pg_catalog.getdatabaseencoding()
+            USING ERRCODE = 'feature_not_supported',
+                  DETAIL = 'Events are published to Redis as UTF-8; the relay reads every event''s text as UTF-8.',
+                  HINT = 'Install outbox_pg in a UTF8 database, e.g. CREATE DATABASE app ENCODING ''UTF8'' TEMPLATE template0.';
+    END IF;
+END
+$encoding$;
+
 CREATE SCHEMA outbox;
 COMMENT ON SCHEMA outbox IS 'outbox_pg: the outbox table and the relay''s functions';
 
 -- Roles are cluster-wide and outlive the extension (DROP EXTENSION leaves them), so create them only
--- when missing: a second database with the extension reuses them.
+-- when missing: a second database with the extension reuses them. A role of the same name that
+-- outbox_pg did not create (its comment is the mark) is refused rather than adopted: it may be
+-- another application's, with members who would silently gain these privileges.
 DO $roles$
+DECLARE
+    role_name text;
+    role_comment text;
 BEGIN
+    FOREACH role_name IN ARRAY ARRAY['outbox_writer', 'outbox_consumer', 'outbox_admin'] LOOP
+        SELECT pg_catalog.shobj_description(r.oid, 'pg_authid') INTO role_comment
+          FROM pg_catalog.pg_roles r WHERE r.rolname = role_name;
+        IF FOUND AND coalesce(role_comment, '') NOT LIKE 'outbox_pg:%' THEN
+            RAISE EXCEPTION 'outbox_pg: role "%" already exists and was not created by outbox_pg', role_name
+                USING ERRCODE = 'duplicate_object',
+                      DETAIL = 'outbox_pg grants its privileges to the roles outbox_writer, outbox_consumer and outbox_admin; adopting a role it did not create would hand them to that role''s members.',
+                      HINT = format('Rename or drop the existing role (ALTER ROLE %I RENAME TO ...), or, if it is meant for outbox_pg, mark it with COMMENT ON ROLE %I IS ''outbox_pg: ...''; then run CREATE EXTENSION outbox_pg again.', role_name, role_name);
+        END IF;
+    END LOOP;
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_writer') THEN
         CREATE ROLE outbox_writer NOLOGIN;
         COMMENT ON ROLE outbox_writer IS 'outbox_pg: may call outbox_enqueue; reads no outbox rows';
     END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_consumer') THEN
         CREATE ROLE outbox_consumer NOLOGIN;
-        COMMENT ON ROLE outbox_consumer IS 'outbox_pg: may call outbox_mark_processed (consumer-side deduplication)';
+        COMMENT ON ROLE outbox_consumer IS 'outbox_pg: may call outbox_mark_processed (consumer-side deduplication) under the consumer names it owns';
     END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_admin') THEN
         CREATE ROLE outbox_admin NOLOGIN;
-        COMMENT ON ROLE outbox_admin IS 'outbox_pg: reads outbox rows and stats, retries, skips and purges events';
+        COMMENT ON ROLE outbox_admin IS 'outbox_pg: reads outbox rows and stats; retries, skips and purges events through outbox''s functions';
     END IF;
 END
 $roles$;
@@ -68,7 +98,9 @@ CREATE TABLE outbox.messages (
     -- Attempts Redis rejected because of the event itself; at outbox.max_attempts it is dead-lettered.
     rejections     integer     NOT NULL DEFAULT 0,
     failed_at      timestamptz,
-    last_error     text
+    last_error     text,
+    -- A session's claim always says when and by whom, so that the reaper can return it.
+    CONSTRAINT messages_claim_recorded CHECK (status <> 'publishing' OR (claimed_at IS NOT NULL AND claimed_by IS NOT NULL))
 );
 
 COMMENT ON TABLE outbox.messages IS
@@ -106,6 +138,17 @@ CREATE TABLE outbox.processed_messages (
 );
 COMMENT ON TABLE outbox.processed_messages IS
     'outbox_pg: events each consumer has processed (consumer-side deduplication); kept for outbox.retention';
+-- Who may record under a consumer name: the role that used it first (and that role's members).
+-- Without it any outbox_consumer could mark events processed for another consumer, which would
+-- then skip them. An admin releases a name by deleting its row.
+CREATE TABLE outbox.consumers (
+    consumer      text        PRIMARY KEY CHECK (consumer <> ''),
+    owner         regrole     NOT NULL,
+    registered_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+COMMENT ON TABLE outbox.consumers IS
+    'outbox_pg: consumer names and the role that owns each (its first user); only that role and its members may call outbox_mark_processed under the name';
+
 CREATE INDEX processed_messages_processed_at_idx ON outbox.processed_messages (processed_at);
 ALTER TABLE outbox.processed_messages SET (autovacuum_vacuum_scale_factor = 0.02);
 
@@ -141,10 +184,14 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.messages', 'WHERE status <> '
 SELECT pg_catalog.pg_extension_config_dump('outbox.messages_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.aggregates', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.processed_messages', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.consumers', '');
 
 -- Writers get nothing here: they enqueue through outbox_enqueue (SECURITY DEFINER) and cannot read
--- other writers' payloads. Admins read and repair.
+-- other writers' payloads. Admins read everything and repair through the functions
+-- (retry_failed, skip_failed, purge: SECURITY DEFINER), never by writing rows: a hand-written
+-- status could hide an event from the relay or mark one published that never was.
 GRANT USAGE ON SCHEMA outbox TO outbox_admin;
-GRANT SELECT, UPDATE, DELETE ON outbox.messages TO outbox_admin;
+GRANT SELECT ON outbox.messages TO outbox_admin;
 GRANT SELECT ON outbox.aggregates TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.processed_messages TO outbox_admin;
+GRANT SELECT, DELETE ON outbox.consumers TO outbox_admin;

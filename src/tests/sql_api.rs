@@ -343,7 +343,7 @@ fn schema_is_registered_for_pg_dump_and_indexes_are_partial() {
     )
     .unwrap()
     .unwrap();
-    assert_eq!(dumped, "aggregates:,messages:WHERE status <> 'published',messages_id_seq:,processed_messages:");
+    assert_eq!(dumped, "aggregates:,consumers:,messages:WHERE status <> 'published',messages_id_seq:,processed_messages:");
     let logged = Spi::get_one::<String>("SELECT relpersistence::text FROM pg_class WHERE oid = 'outbox.messages'::regclass")
         .unwrap()
         .unwrap();
@@ -610,4 +610,135 @@ fn mark_processed_is_true_once_per_consumer_and_event() {
     assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge_processed('7 days')").unwrap(), Some(1));
     assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(86400, 10)").unwrap(), Some(0));
     assert!(!mark("notifications"));
+}
+
+#[pg_test]
+fn enqueue_bounds_every_argument_and_names_it() {
+    for (sql, sqlstate, argument) in [
+        (format!("SELECT outbox_enqueue('{}', 1, 'e', '{{}}')", "t".repeat(256)), "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_type is 256 bytes"),
+        (format!("SELECT outbox_enqueue('t', '{}', 'e', '{{}}')", "i".repeat(1025)), "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_id is 1025 bytes"),
+        (format!("SELECT outbox_enqueue('t', 1, '{}', '{{}}')", "e".repeat(256)), "ERRCODE_INVALID_PARAMETER_VALUE", "event_type is 256 bytes"),
+        (
+            "SELECT outbox_enqueue('t', 1, 'e', '{}', jsonb_build_object('h', repeat('x', 70000)))".to_string(),
+            "ERRCODE_PROGRAM_LIMIT_EXCEEDED",
+            "headers are 70009 bytes",
+        ),
+    ] {
+        let (code, message) = error_of(&sql);
+        assert_eq!(code, sqlstate, "{message}");
+        assert!(message.contains(argument) && message.contains("hint: "), "{message}");
+    }
+    // The bounds are inclusive, in bytes (a 2-byte character counts twice).
+    Spi::run(&format!("SELECT outbox_enqueue('{}', '{}', '{}', '{{}}')", "t".repeat(255), "i".repeat(1024), "é".repeat(127)))
+        .unwrap();
+    assert_eq!(count_messages(), 1);
+    // The payload limit cannot be raised past what Redis accepts in one argument.
+    let (code, message) = error_of("SET outbox.max_payload_size = '1GB'");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+}
+
+#[pg_test]
+fn enqueue_refuses_streams_outside_allowed_streams() {
+    Spi::run("SET LOCAL outbox.allowed_streams = 'outbox:*, audit:?'").unwrap();
+    Spi::run("SELECT outbox_enqueue('payment', 1, 'e', '{}')").unwrap(); // outbox:payment by the template
+    Spi::run("SELECT outbox_enqueue('payment', 1, 'e', '{}', stream => 'audit:1')").unwrap();
+    let (code, message) = error_of("SELECT outbox_enqueue('payment', 1, 'e', '{}', stream => 'billing:ledger')");
+    assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
+    assert!(message.contains("\"billing:ledger\" (the stream argument)") && message.contains("outbox:*, audit:?"), "{message}");
+    // The template is checked too: a writer's aggregate_type must not lead outside the patterns.
+    Spi::run("SET LOCAL outbox.allowed_streams = 'outbox:payment'").unwrap();
+    let (code, message) = error_of("SELECT outbox_enqueue('billing', 1, 'e', '{}')");
+    assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
+    assert!(message.contains("\"outbox:billing\" (outbox.stream ('outbox:{aggregate_type}') for this event)"), "{message}");
+    assert_eq!(count_messages(), 2);
+    let (code, message) = error_of("SET outbox.allowed_streams = 'outbox:*,'");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    // Only superusers may change it.
+    Spi::run("CREATE ROLE test_streams_writer IN ROLE outbox_writer").unwrap();
+    Spi::run("SET LOCAL ROLE test_streams_writer").unwrap();
+    let (code, message) = error_of("SET outbox.allowed_streams = '*'");
+    assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
+    Spi::run("RESET ROLE").unwrap();
+}
+
+#[pg_test]
+fn admins_repair_through_functions_only() {
+    Spi::run("CREATE ROLE test_repair_admin IN ROLE outbox_admin").unwrap();
+    Spi::run("GRANT USAGE ON SCHEMA tests TO test_repair_admin").unwrap();
+    Spi::run("SELECT outbox_enqueue('r', 1, 'e', '{}'), outbox_enqueue('r', 2, 'e', '{}')").unwrap();
+    Spi::run("UPDATE outbox.messages SET status = 'failed'").unwrap();
+    Spi::run("SET LOCAL ROLE test_repair_admin").unwrap();
+    for sql in [
+        "UPDATE outbox.messages SET status = 'published'",
+        "DELETE FROM outbox.messages",
+        "INSERT INTO outbox.messages (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload) VALUES (gen_random_uuid(), 'a', 'b', 1, 'c', '{}')",
+    ] {
+        let (code, message) = error_of(sql);
+        assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "admin ran {sql}: {message}");
+    }
+    let ids = Spi::get_one::<Vec<i64>>("SELECT array_agg(id ORDER BY id) FROM outbox.messages").unwrap().unwrap();
+    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox.skip_failed($1)", &[vec![ids[0]].into()]).unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(1));
+    // Skipped just now, after this transaction's now(): nothing is old enough yet, but it runs.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
+    Spi::run("RESET ROLE").unwrap();
+}
+
+#[pg_test]
+fn a_publishing_row_must_say_who_claimed_it_and_is_reaped_if_it_does_not() {
+    Spi::run("SELECT outbox_enqueue('n', 1, 'e', '{}')").unwrap();
+    let (code, message) = error_of("UPDATE outbox.messages SET status = 'publishing'");
+    assert_eq!(code, "ERRCODE_CHECK_VIOLATION", "{message}");
+    // A superuser can still write one (here: without the constraint); the reaper returns it.
+    Spi::run("ALTER TABLE outbox.messages DROP CONSTRAINT messages_claim_recorded").unwrap();
+    Spi::run("UPDATE outbox.messages SET status = 'publishing', claimed_at = NULL, claimed_by = NULL").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox._reap_expired(30000)").unwrap(), Some(1));
+    let row = Spi::get_one::<String>("SELECT status || ':' || last_error FROM outbox.messages").unwrap().unwrap();
+    assert_eq!(row, "pending:the claim did not record when or by whom it was made");
+}
+
+#[pg_test]
+fn counters_saturate_instead_of_stalling_the_relay() {
+    Spi::run("SELECT outbox_enqueue('o', 1, 'e', '{}'), outbox_enqueue('o', 2, 'e', '{}')").unwrap();
+    Spi::run("UPDATE outbox.messages SET attempts = 2147483647, rejections = 2147483647").unwrap();
+    let ids = Spi::get_one::<Vec<i64>>("SELECT array_agg(id ORDER BY id) FROM outbox.messages").unwrap().unwrap();
+    Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'boom', 1000000, 10)", &[vec![ids[0]].into()]).unwrap();
+    Spi::get_one_with_args::<i64>("SELECT outbox._release($1, 'down')", &[vec![ids[1]].into()]).unwrap();
+    assert_eq!(
+        Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[ids.clone().into()]).unwrap(),
+        Some(1),
+        "the rejected row is failed (max attempts reached), the other is published"
+    );
+    let counters = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || attempts || ':' || rejections, ',' ORDER BY id) FROM outbox.messages",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(counters, "failed:2147483647:2147483647,published:2147483647:2147483647");
+}
+
+#[pg_test]
+fn a_consumer_name_belongs_to_the_role_that_used_it_first() {
+    let id = "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'::uuid";
+    Spi::run("CREATE ROLE test_consumer_a IN ROLE outbox_consumer").unwrap();
+    Spi::run("CREATE ROLE test_consumer_b IN ROLE outbox_consumer").unwrap();
+    Spi::run("CREATE ROLE test_consumer_admin IN ROLE outbox_admin").unwrap();
+    Spi::run("GRANT USAGE ON SCHEMA tests TO test_consumer_a, test_consumer_b").unwrap();
+    Spi::run("SET LOCAL ROLE test_consumer_a").unwrap();
+    assert_eq!(Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('mailer', {id})")).unwrap(), Some(true));
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SET LOCAL ROLE test_consumer_b").unwrap();
+    // b may not pre-mark events for a's consumer (a would then skip them).
+    let (code, message) = error_of(&format!("SELECT outbox_mark_processed('mailer', gen_random_uuid())"));
+    assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
+    assert!(message.contains("belongs to role test_consumer_a, not to test_consumer_b"), "{message}");
+    assert_eq!(Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('sms', {id})")).unwrap(), Some(true));
+    Spi::run("RESET ROLE").unwrap();
+    // An admin releases the name; then b may take it.
+    Spi::run("SET LOCAL ROLE test_consumer_admin").unwrap();
+    Spi::run("DELETE FROM outbox.consumers WHERE consumer = 'mailer'").unwrap();
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SET LOCAL ROLE test_consumer_b").unwrap();
+    assert_eq!(Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('mailer', gen_random_uuid())")).unwrap(), Some(true));
+    Spi::run("RESET ROLE").unwrap();
 }

@@ -70,8 +70,16 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     // Its commits need not wait for the WAL flush: a relay commit lost in a crash (claim, mark,
     // rejection, retention) only means an event is published again or a row deleted later, never
     // that an event is lost, while waiting would put an fsync on every event's path to Redis.
-    for (name, value) in [(c"jit", c"off"), (c"synchronous_commit", c"off")] {
-        // SAFETY: static NUL-terminated strings; both are user-settable options.
+    // The claim's correctness argument (src/claims.rs) needs each statement to see a fresh
+    // snapshot, i.e. READ COMMITTED, and the relay writes: a database or role default of
+    // repeatable read, serializable or read-only must not apply to the relay's transactions.
+    for (name, value) in [
+        (c"jit", c"off"),
+        (c"synchronous_commit", c"off"),
+        (c"default_transaction_isolation", c"read committed"),
+        (c"default_transaction_read_only", c"off"),
+    ] {
+        // SAFETY: static NUL-terminated strings; all are user-settable options.
         unsafe {
             pg_sys::SetConfigOption(
                 name.as_ptr(),
@@ -99,11 +107,21 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     };
     relay.sink.configure(redis_config());
     log!("outbox_pg relay {} started: database \"{}\", Redis at {}", relay.slot, relay.database, relay.sink.describe());
+    if relay.slot == 0 {
+        warn_if_lease_too_short();
+    }
 
     loop {
+        if shmem::step_aside_requested() {
+            log!("outbox_pg relay {}: database \"{}\" is being dropped; stepping aside", relay.slot, relay.database);
+            break;
+        }
         if BackgroundWorker::sighup_received() {
             // SAFETY: the documented way for a worker to re-read postgresql.conf after SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+            if relay.slot == 0 {
+                warn_if_lease_too_short();
+            }
             let before = relay.sink.describe();
             relay.sink.configure(redis_config());
             // A new Redis deserves an immediate try, not the rest of the old one's backoff.
@@ -123,14 +141,14 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         match relay.run_once() {
             Some(timeout) => {
                 report_activity(false);
-                if !BackgroundWorker::wait_latch(Some(timeout)) {
+                if stop_requested() || !BackgroundWorker::wait_latch(Some(timeout)) {
                     break;
                 }
             }
             None => {
                 // More work is waiting: keep going, but stay responsive to signals and barriers.
                 pg_sys::check_for_interrupts!();
-                if BackgroundWorker::sigterm_received() {
+                if stop_requested() {
                     break;
                 }
             }
@@ -192,9 +210,18 @@ impl Relay {
             fault: guc::fault_injection(),
         };
         let mut timings = RoundTimings::default();
-        let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
+        let outcome = tick::tick(&mut self.sink, &settings, &mut timings, &stop_requested);
         shmem::set_redis_connected(self.sink.is_connected());
         log_if_slow_round(&outcome, &timings);
+        if timings.total() >= settings.lease && !matches!(outcome, TickOutcome::Idle) {
+            warning!(
+                "outbox_pg: relay {} took {} for one round, longer than outbox.lease ({}): its claim expired meanwhile and \
+                 other relays or sessions may have published the same events again; raise outbox.lease or lower outbox.batch_size",
+                self.slot,
+                millis(timings.total()),
+                human(settings.lease)
+            );
+        }
         match outcome {
             TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, .. } => {
                 self.recovered();
@@ -229,6 +256,8 @@ impl Relay {
                 Some(poll.max(Duration::from_secs(1)))
             }
             TickOutcome::BrokerDown { error, .. } => Some(self.failed(Health::BrokerDown(error.0))),
+            // SIGTERM arrived while the claim lock was busy: the main loop exits.
+            TickOutcome::Stopping => Some(Duration::ZERO),
             TickOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),
         }
     }
@@ -374,6 +403,42 @@ fn human(duration: Duration) -> String {
     }
 }
 
+/// Whether the relay was asked to stop (SIGTERM: `pg_terminate_backend`, shutdown, the launcher).
+/// pgrx's flag is cleared when read; this one stays set once seen, so that every place that asks
+/// (the claim lock's wait, the main loop) gets the same answer.
+fn stop_requested() -> bool {
+    static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if BackgroundWorker::sigterm_received() {
+        STOPPING.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+    STOPPING.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// A claim must outlive a round: while a relay waits on Redis, its claim has to stay valid, or
+/// other relays take the same events and publish them a second time. A round can wait on Redis
+/// for up to `outbox.redis_timeout` (the connect, then the exchange), so a lease shorter than
+/// twice that is a configuration that produces duplicates under a slow Redis. Logged at start and
+/// after each reload, by relay 0 only.
+fn warn_if_lease_too_short() {
+    let (lease, timeout) = (guc::lease(), guc::redis_timeout());
+    if let Some(reason) = lease_problem(lease, timeout) {
+        warning!("outbox_pg: {reason}");
+    }
+}
+
+/// Why `lease` is too short for `redis_timeout`, if it is.
+fn lease_problem(lease: Duration, redis_timeout: Duration) -> Option<String> {
+    (lease < redis_timeout * 2).then(|| {
+        format!(
+            "outbox.lease ({}) is shorter than twice outbox.redis_timeout ({}): a relay waiting on a slow Redis \
+             loses its claim and others publish the same events again; set outbox.lease to at least {}",
+            human(lease),
+            human(redis_timeout),
+            human(redis_timeout * 2)
+        )
+    })
+}
+
 fn redis_config() -> RedisConfig {
     RedisConfig { url: guc::redis_url(), password_file: guc::redis_password_file(), timeout: guc::redis_timeout() }
 }
@@ -400,7 +465,10 @@ fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
     let events = match outcome {
         TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
         TickOutcome::Idle => "nothing pending".to_string(),
-        TickOutcome::BrokerDown { .. } | TickOutcome::ExtensionMissing | TickOutcome::DatabaseError(_) => return,
+        TickOutcome::BrokerDown { .. }
+        | TickOutcome::ExtensionMissing
+        | TickOutcome::DatabaseError(_)
+        | TickOutcome::Stopping => return,
     };
     log!(
         "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",
@@ -438,6 +506,15 @@ unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
 mod tests {
     use super::human;
     use std::time::Duration;
+
+    #[test]
+    fn a_lease_shorter_than_two_redis_timeouts_is_reported() {
+        let second = Duration::from_secs(1);
+        assert!(super::lease_problem(second * 30, second * 5).is_none());
+        assert!(super::lease_problem(second * 10, second * 5).is_none());
+        let problem = super::lease_problem(second * 9, second * 5).unwrap();
+        assert!(problem.contains("outbox.lease (9.0s)") && problem.contains("at least 10.0s"), "{problem}");
+    }
 
     #[test]
     fn durations_read_like_an_operator_writes_them() {

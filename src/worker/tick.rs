@@ -48,6 +48,8 @@ pub enum TickOutcome {
     BrokerDown { error: BrokerError, published: usize },
     /// The database refused a statement (e.g. during DROP EXTENSION); nothing was lost.
     DatabaseError(String),
+    /// The relay was asked to stop while waiting for the claim lock; nothing was claimed.
+    Stopping,
 }
 
 const EXTENSION_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_pg')";
@@ -98,9 +100,9 @@ fn extension_installed() -> Result<bool, pgrx::spi::Error> {
 /// Claims up to `batch_size` pending events for the relay in `settings.slot`. `Ok(None)` when the
 /// extension is not installed: that is only looked up after the claim failed, so the common round
 /// costs one statement.
-fn claim(settings: &TickSettings) -> Result<Option<Vec<OutboxEvent>>, String> {
-    match claim_rows(settings) {
-        Ok(events) => Ok(Some(events)),
+fn claim(settings: &TickSettings, stop_requested: &dyn Fn() -> bool) -> Result<Option<Claimed>, String> {
+    match claim_rows(settings, stop_requested) {
+        Ok(claimed) => Ok(Some(claimed)),
         Err(error) => {
             // The claim may have been recorded before the commit failed.
             claims::clear(settings.slot);
@@ -117,10 +119,16 @@ fn claim(settings: &TickSettings) -> Result<Option<Vec<OutboxEvent>>, String> {
 /// elsewhere, and records the rest in this relay's slot before committing. See src/claims.rs for
 /// why that cannot hand a row to two relays, and `outbox._claim_batch` for how per-aggregate order
 /// is checked in two steps.
-fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
+fn claim_rows(settings: &TickSettings, stop_requested: &dyn Fn() -> bool) -> Result<Claimed, String> {
     let (slot, lease, batch_size, in_order) = (settings.slot, settings.lease, settings.batch_size, settings.in_order);
-    txn::run(move || -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
-        claims::lock_for_claim();
+    let stop_requested = std::panic::AssertUnwindSafe(stop_requested);
+    txn::run(move || -> Result<Claimed, pgrx::spi::Error> {
+        // Moved whole, so that the closure captures the unwind-safe wrapper, not its field.
+        let stop_requested = stop_requested;
+        if claims::lock_for_claim(|| (stop_requested.0)()) == claims::ClaimLock::Stopping {
+            return Ok(Claimed::Stopping);
+        }
+        let installation = installation();
         let held_elsewhere = claims::in_flight_elsewhere(Some(slot), lease);
         // Rows held elsewhere may come back (they are pending): ask for that many more.
         let limit = (batch_size + held_elsewhere.len()).min(i32::MAX as usize) as i32;
@@ -158,12 +166,50 @@ fn claim_rows(settings: &TickSettings) -> Result<Vec<OutboxEvent>, String> {
         }
         // Oldest first; each aggregate's events are a prefix of its run, so cutting here keeps order.
         events.truncate(batch_size);
+        events.truncate(within_batch_bytes(&events, BATCH_BYTES));
         if !events.is_empty() {
             let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
             claims::register(slot, &ids);
         }
-        Ok(events)
+        Ok(Claimed::Events { events, installation })
     })
+}
+
+/// What a claim took.
+enum Claimed {
+    /// These events, from the installation of the extension whose OID is given.
+    Events { events: Vec<OutboxEvent>, installation: pg_sys::Oid },
+    /// Nothing: the relay is stopping.
+    Stopping,
+}
+
+/// The most bytes of events one round sends. Redis closes the connection of a client whose
+/// unread input passes `client-query-buffer-limit` (1 GB by default); a batch above it would fail
+/// as a whole, round after round, and stall the outbox. 64 MB keeps well below it and still
+/// carries thousands of ordinary events.
+const BATCH_BYTES: usize = 64 * 1024 * 1024;
+
+/// How many of `events` (oldest first) fit in `budget` bytes; always at least one, so that an event
+/// larger than the budget still goes (alone).
+pub fn within_batch_bytes(events: &[OutboxEvent], budget: usize) -> usize {
+    let mut total = 0usize;
+    for (index, event) in events.iter().enumerate() {
+        total = total.saturating_add(event.approximate_size());
+        if total > budget {
+            return index.max(1);
+        }
+    }
+    events.len()
+}
+
+/// The OID of the installed extension: which installation's rows a claim read. A settle checks it
+/// is unchanged, because `DROP EXTENSION` and `CREATE EXTENSION` between a claim and its settle
+/// start the ids again at 1, and marking rows by id would then mark other events, never
+/// delivered, as published.
+fn installation() -> pg_sys::Oid {
+    // SAFETY: a catalog lookup inside a transaction; missing_ok, so it returns InvalidOid rather
+    // than raising.
+    unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) }
 }
 
 /// Step 2 of the per-aggregate order check, in the database: the aggregates of `events` that have
@@ -262,16 +308,47 @@ struct Settlement {
     released: BTreeMap<String, Vec<i64>>,
 }
 
-/// Writes the batch's outcome in one transaction; returns how many rows were dead-lettered.
-fn settle(settlement: Settlement, settings: &TickSettings) -> Result<i64, String> {
+/// What a settle wrote.
+#[derive(Debug, Clone, Copy, Default)]
+struct Settled {
+    /// Rows marked published.
+    published: i64,
+    /// Rows that reached `outbox.max_attempts` and became failed.
+    dead_lettered: i64,
+}
+
+/// Writes the batch's outcome in one transaction, if the rows still belong to the installation
+/// they were claimed from (`installation`).
+fn settle(settlement: Settlement, settings: &TickSettings, claimed_from: pg_sys::Oid) -> Result<Settled, String> {
     let (max_attempts, retry_delay_ms) = (settings.max_attempts, settings.retry_delay_ms);
-    txn::run(move || -> Result<i64, pgrx::spi::Error> {
-        if !settlement.published.is_empty() {
-            Spi::get_one_with_args::<i64>(MARK_PUBLISHED, &[settlement.published.into()])?;
+    txn::run(move || -> Result<Settled, String> {
+        let mut settled = Settled::default();
+        settle_rows(settlement, max_attempts, retry_delay_ms, &mut settled).map_err(|e| e.to_string())?;
+        // Checked after the writes, in their transaction: the rows they touched stay locked until
+        // it ends, so a DROP EXTENSION cannot slip in between this check and the commit, and one
+        // that committed before the writes shows here as another OID (or none).
+        if installation() != claimed_from {
+            return Err("outbox_pg was dropped and created again while this batch was being published; \
+                        its rows are gone, so nothing was settled"
+                .to_string());
         }
-        let mut dead_lettered = 0;
+        Ok(settled)
+    })
+}
+
+fn settle_rows(
+    settlement: Settlement,
+    max_attempts: i32,
+    retry_delay_ms: i32,
+    settled: &mut Settled,
+) -> Result<(), pgrx::spi::Error> {
+    {
+        if !settlement.published.is_empty() {
+            settled.published =
+                Spi::get_one_with_args::<i64>(MARK_PUBLISHED, &[settlement.published.into()])?.unwrap_or(0);
+        }
         for (error, ids) in settlement.rejected {
-            dead_lettered += Spi::get_one_with_args::<i64>(
+            settled.dead_lettered += Spi::get_one_with_args::<i64>(
                 REJECT,
                 &[ids.into(), error.into(), max_attempts.into(), retry_delay_ms.into()],
             )?
@@ -280,8 +357,8 @@ fn settle(settlement: Settlement, settings: &TickSettings) -> Result<i64, String
         for (error, ids) in settlement.released {
             Spi::get_one_with_args::<i64>(RELEASE, &[ids.into(), error.into()])?;
         }
-        Ok(dead_lettered)
-    })
+        Ok(())
+    }
 }
 
 /// How long each phase of a round took, for `outbox.log_min_duration`.
@@ -309,16 +386,22 @@ impl Drop for HeldClaim {
 }
 
 /// One round: claim, publish, settle. `timings` receives the time of each phase that ran.
-pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTimings) -> TickOutcome {
+pub fn tick(
+    sink: &mut RedisSink,
+    settings: &TickSettings,
+    timings: &mut RoundTimings,
+    stop_requested: &dyn Fn() -> bool,
+) -> TickOutcome {
     let started = Instant::now();
-    let claimed_events = claim(settings);
+    let claimed_events = claim(settings, stop_requested);
     timings.claim = started.elapsed();
     let _held = HeldClaim(settings.slot);
-    let events = match claimed_events {
+    let (events, installation) = match claimed_events {
         Err(error) => return TickOutcome::DatabaseError(error),
         Ok(None) => return TickOutcome::ExtensionMissing,
-        Ok(Some(events)) if events.is_empty() => return TickOutcome::Idle,
-        Ok(Some(events)) => events,
+        Ok(Some(Claimed::Stopping)) => return TickOutcome::Stopping,
+        Ok(Some(Claimed::Events { events, .. })) if events.is_empty() => return TickOutcome::Idle,
+        Ok(Some(Claimed::Events { events, installation })) => (events, installation),
     };
     let claimed = events.len();
     let mut settlement = Settlement::default();
@@ -363,10 +446,13 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     // If settling fails the rows stay pending and are published again once the claim is
     // released: a duplicate, never a loss.
     let started = Instant::now();
-    let settled = settle(settlement, settings);
+    let settled = settle(settlement, settings, installation);
     timings.settle = started.elapsed();
     let dead_lettered = match settled {
-        Ok(dead_lettered) => dead_lettered,
+        Ok(settled) => {
+            shmem::add_published(settled.published);
+            settled.dead_lettered
+        }
         Err(error) => return TickOutcome::DatabaseError(error),
     };
     match broker_error {
