@@ -8,6 +8,7 @@
 //! - `claims`: the relays' claims, held in shared memory rather than written to the table.
 //! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
 //! - `dropdb`: relays step aside when their database is dropped.
+//! - `logredact`: Redis credentials masked in every server log line.
 //! - `worker`: the launcher and relay background workers.
 //! - `sink`: the only code that speaks to Redis; `entry`: a row as a stream entry.
 #![forbid(unsafe_op_in_unsafe_fn)]
@@ -21,6 +22,7 @@ mod claims;
 mod dropdb;
 mod entry;
 mod guc;
+mod logredact;
 mod shmem;
 mod sink;
 mod streams;
@@ -56,6 +58,7 @@ pub extern "C-unwind" fn _PG_init() {
         // Loaded on demand by a backend: the SQL functions that need the relay say so.
         return;
     }
+    logredact::init();
     shmem::init();
     claims::init();
     wake::init();

@@ -298,7 +298,7 @@ fn is_protocol_error(error: &redis::ServerError) -> bool {
 fn is_broker_wide(error: &redis::ServerError) -> bool {
     if error.code() == "NOPERM" {
         let details = error.details().unwrap_or_default().to_ascii_lowercase();
-        return !(details.contains("key") && !details.contains("command"));
+        return !details.contains("key") || details.contains("command");
     }
     is_broker_wide_code(error.code())
 }

@@ -729,7 +729,7 @@ fn a_consumer_name_belongs_to_the_role_that_used_it_first() {
     Spi::run("RESET ROLE").unwrap();
     Spi::run("SET LOCAL ROLE test_consumer_b").unwrap();
     // b may not pre-mark events for a's consumer (a would then skip them).
-    let (code, message) = error_of(&format!("SELECT outbox_mark_processed('mailer', gen_random_uuid())"));
+    let (code, message) = error_of("SELECT outbox_mark_processed('mailer', gen_random_uuid())");
     assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
     assert!(message.contains("belongs to role test_consumer_a, not to test_consumer_b"), "{message}");
     assert_eq!(Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('sms', {id})")).unwrap(), Some(true));
@@ -739,6 +739,6 @@ fn a_consumer_name_belongs_to_the_role_that_used_it_first() {
     Spi::run("DELETE FROM outbox.consumers WHERE consumer = 'mailer'").unwrap();
     Spi::run("RESET ROLE").unwrap();
     Spi::run("SET LOCAL ROLE test_consumer_b").unwrap();
-    assert_eq!(Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('mailer', gen_random_uuid())")).unwrap(), Some(true));
+    assert_eq!(Spi::get_one::<bool>("SELECT outbox_mark_processed('mailer', gen_random_uuid())").unwrap(), Some(true));
     Spi::run("RESET ROLE").unwrap();
 }

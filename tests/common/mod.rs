@@ -28,6 +28,13 @@ pub fn wait_for<T>(timeout: Duration, what: &str, mut probe: impl FnMut() -> Opt
     }
 }
 
+/// `text` with every byte but ASCII letters and digits percent-encoded, as a URL's password.
+pub fn percent_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
+        .collect()
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
@@ -290,7 +297,7 @@ impl Redis {
         let password = self.password();
         wait_for(DEADLINE, "redis-server to answer PING", || {
             let url = match &password {
-                Some(pw) => format!("redis://:{pw}@127.0.0.1:{port}"),
+                Some(pw) => format!("redis://:{}@127.0.0.1:{port}", percent_encoded(pw)),
                 None => format!("redis://127.0.0.1:{port}"),
             };
             let mut con = redis::Client::open(url).ok()?.get_connection_with_timeout(Duration::from_secs(1)).ok()?;
@@ -312,7 +319,7 @@ impl Redis {
 
     pub fn connection(&self) -> redis::Connection {
         let url = match self.password() {
-            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            Some(pw) => format!("redis://:{}@127.0.0.1:{}", percent_encoded(&pw), self.port),
             None => self.url(),
         };
         redis::Client::open(url).unwrap().get_connection_with_timeout(Duration::from_secs(5)).unwrap()
