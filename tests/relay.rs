@@ -245,9 +245,10 @@ fn redis_url_is_masked_and_hidden_from_ordinary_roles() {
         (shown != env.redis.url()).then_some(shown)
     });
     assert_eq!(shown, "redis://app:****@127.0.0.1:1/0");
-    let in_view: String =
-        client.query_one("SELECT setting FROM pg_settings WHERE name = 'outbox.redis_url'", &[]).unwrap().get(0);
-    assert_eq!(in_view, "redis://app:****@127.0.0.1:1/0");
+    // pg_settings would show the raw value in reset_val and boot_val: the setting is not listed.
+    let listed: i64 =
+        client.query_one("SELECT count(*) FROM pg_settings WHERE name = 'outbox.redis_url'", &[]).unwrap().get(0);
+    assert_eq!(listed, 0);
     client.batch_execute("CREATE ROLE app_user LOGIN").unwrap();
     let mut app = postgres::Client::connect(
         &format!("host=127.0.0.1 port={} user=app_user dbname=postgres", env.pg.port),
@@ -261,8 +262,8 @@ fn redis_url_is_masked_and_hidden_from_ordinary_roles() {
     wait_for(DEADLINE, "the relay to report the unreachable Redis", || {
         env.pg.log().contains("cannot publish to Redis at 127.0.0.1:1").then_some(())
     });
-    let relay_lines: Vec<_> = env.pg.log().lines().filter(|l| l.contains("outbox_pg")).map(str::to_string).collect();
-    assert!(relay_lines.iter().all(|l| !l.contains("Hunter2")), "{relay_lines:?}");
+    // Nor does any other line: PostgreSQL's own "parameter changed" line is masked too.
+    assert!(!env.pg.log().contains("Hunter2"), "{}", env.pg.log());
 }
 
 #[test]
