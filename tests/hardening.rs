@@ -111,13 +111,10 @@ fn the_redis_password_is_never_shown_to_monitoring_roles_in_logs_or_in_rows() {
     assert_hidden("the server log", &pg.log());
 }
 
-#[test]
-fn an_event_too_large_for_redis_is_dead_lettered_and_holds_back_only_its_aggregate() {
-    let env = Env::start_with_redis(
-        &["--proto-max-bulk-len", "1mb"],
-        &["outbox.max_payload_size = '4MB'", "outbox.max_attempts = 2", "outbox.retry_delay = '10ms'"],
-    );
-    let mut client = env.pg.connect();
+/// Enqueues small events around one too large for a Redis whose `proto-max-bulk-len` is 1 MB, and
+/// checks that the large one is dead-lettered while everything else, its aggregate excepted, flows.
+fn an_oversized_event_is_the_events_fault(redis: &Redis, pg: &Cluster) {
+    let mut client = pg.connect();
     client
         .batch_execute(
             "SELECT outbox_enqueue('small', i, 'e', '{}') FROM generate_series(1, 5) i;
@@ -126,23 +123,51 @@ fn an_event_too_large_for_redis_is_dead_lettered_and_holds_back_only_its_aggrega
              SELECT outbox_enqueue('small', i, 'e', '{}') FROM generate_series(6, 10) i;",
         )
         .unwrap();
-    env.redis.wait_for_entries("outbox:small", 10);
-    let (status, error): (String, String) = wait_for(DEADLINE, "the oversized event to be dead-lettered", || {
+    redis.wait_for_entries("outbox:small", 10);
+    let error: String = wait_for(DEADLINE, "the oversized event to be dead-lettered", || {
         let row = client
             .query_one("SELECT status, coalesce(last_error, '') FROM outbox.messages WHERE event_type = 'huge'", &[])
             .unwrap();
-        (row.get::<_, String>(0) == "failed").then(|| (row.get(0), row.get(1)))
+        (row.get::<_, String>(0) == "failed").then(|| row.get(1))
     });
-    assert_eq!(status, "failed");
     assert!(error.contains("proto-max-bulk-len"), "{error}");
     // Its aggregate's next event waits behind it; Redis stayed usable for everyone else.
     let after: String =
         client.query_one("SELECT status FROM outbox.messages WHERE event_type = 'after'", &[]).unwrap().get(0);
     assert_eq!(after, "pending");
-    assert_eq!(env.redis.xlen("outbox:big"), 0);
-    assert!(client.query_one("SELECT redis_connected FROM outbox.stats", &[]).unwrap().get::<_, bool>(0));
+    assert_eq!(redis.xlen("outbox:big"), 0);
     client.batch_execute("SELECT outbox_enqueue('small', 11, 'e', '{}')").unwrap();
-    env.redis.wait_for_entries("outbox:small", 11);
+    redis.wait_for_entries("outbox:small", 11);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM outbox.messages WHERE status = 'failed'"), 1);
+}
+
+const OVERSIZE_SETTINGS: [&str; 3] =
+    ["outbox.max_payload_size = '4MB'", "outbox.max_attempts = 2", "outbox.retry_delay = '10ms'"];
+
+#[test]
+fn an_event_too_large_for_redis_is_dead_lettered_and_holds_back_only_its_aggregate() {
+    // The relay reads the limit (CONFIG GET proto-max-bulk-len) and refuses the event unsent.
+    let env = Env::start_with_redis(&["--proto-max-bulk-len", "1mb"], &OVERSIZE_SETTINGS);
+    an_oversized_event_is_the_events_fault(&env.redis, &env.pg);
+}
+
+#[test]
+fn an_event_too_large_for_redis_is_found_out_even_when_the_limit_cannot_be_read() {
+    // A Redis user without CONFIG (ACLs, managed services): the large event goes alone, Redis drops
+    // the connection on it, answers a PING right after, so the event, not Redis, is at fault.
+    let redis = Redis::start_with(&["--proto-max-bulk-len", "1mb"]);
+    redis::cmd("ACL")
+        .arg(&["SETUSER", "relay", "on", ">relay-pw", "~*", "+@all", "-config"][..])
+        .query::<()>(&mut redis.connection())
+        .unwrap();
+    let pw = password_file("oversize", "relay-pw");
+    let url = format!("outbox.redis_url = 'redis://relay@127.0.0.1:{}'", redis.port);
+    let pw_setting = format!("outbox.redis_password_file = '{pw}'");
+    let mut settings = vec![url.as_str(), pw_setting.as_str()];
+    settings.extend(OVERSIZE_SETTINGS);
+    let pg = Cluster::start(redis.port, &settings);
+    pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    an_oversized_event_is_the_events_fault(&redis, &pg);
 }
 
 #[test]

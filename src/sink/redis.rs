@@ -48,13 +48,17 @@ pub enum EntryOutcome {
 pub struct RedisSink {
     config: Option<RedisConfig>,
     connection: Option<redis::Connection>,
-    /// Redis's `proto-max-bulk-len`, the longest argument it accepts, as read at connect (Redis's
-    /// default when the relay's user may not read the configuration).
-    max_argument: u64,
+    /// Redis's `proto-max-bulk-len`, the longest argument it accepts, as read at connect; `None`
+    /// when the relay's user may not read the configuration (ACLs; managed services that disable
+    /// CONFIG).
+    max_argument: Option<u64>,
 }
 
-/// Redis's default `proto-max-bulk-len` (512 MB).
+/// Redis's default `proto-max-bulk-len` (512 MB): the most any event may carry in one argument.
 const DEFAULT_MAX_ARGUMENT: u64 = 512 * 1024 * 1024;
+/// The smallest `proto-max-bulk-len` Redis can be configured with (1 MB): with the limit unknown,
+/// an event with a longer argument might be over it.
+const SMALLEST_MAX_ARGUMENT: u64 = 1024 * 1024;
 
 /// Server error codes that describe the server's state, not the entry: retried without limit.
 const BROKER_WIDE_CODES: &[&str] = &[
@@ -80,7 +84,7 @@ impl Default for RedisSink {
 
 impl RedisSink {
     pub fn new() -> Self {
-        RedisSink { config: None, connection: None, max_argument: DEFAULT_MAX_ARGUMENT }
+        RedisSink { config: None, connection: None, max_argument: None }
     }
 
     /// Applies (possibly new) settings; a changed configuration drops the current connection so
@@ -135,13 +139,70 @@ impl RedisSink {
         let _quiet = SignalsDeferred::new();
         // Connect first: that is where the size limit below is learnt.
         self.connection()?;
-        let (mut outcomes, sendable) = refuse_oversized(events, self.max_argument);
-        if sendable.is_empty() {
-            return Ok(outcomes);
+        let (mut outcomes, sendable) = refuse_oversized(events, self.max_argument.unwrap_or(DEFAULT_MAX_ARGUMENT));
+        // With the limit unknown, an event that may be over it is sent in an exchange of its own,
+        // so that if Redis closes the connection on it, the failure points at that event.
+        let suspect_above = if self.max_argument.is_none() { Some(SMALLEST_MAX_ARGUMENT) } else { None };
+        let mut held_back: Vec<(&str, &str)> = Vec::new();
+        let segments = segments(events, &sendable, suspect_above);
+        for (position, segment) in segments.iter().enumerate() {
+            let segment: Vec<usize> =
+                segment.iter().copied().filter(|&i| !held_back.contains(&aggregate_of(&events[i]))).collect();
+            if segment.is_empty() {
+                continue;
+            }
+            let lone_suspect = segment.len() == 1
+                && suspect_above.is_some_and(|limit| events[segment[0]].largest_argument().1 as u64 > limit);
+            match self.exchange_segment(events, &segment, stream_template, maxlen) {
+                Ok(sent) => {
+                    for (index, outcome) in segment.into_iter().zip(sent) {
+                        // A later part must not overtake an event that did not go through.
+                        if matches!(outcome, EntryOutcome::Rejected(_) | EntryOutcome::NotSent) {
+                            held_back.push(aggregate_of(&events[index]));
+                        }
+                        outcomes[index] = outcome;
+                    }
+                }
+                Err(error) if lone_suspect && self.answers_ping() => {
+                    // Redis is fine, yet it dropped the connection on this event: its size.
+                    let index = segment[0];
+                    let (field, len) = events[index].largest_argument();
+                    outcomes[index] = EntryOutcome::Rejected(format!(
+                        "Redis closed the connection while receiving this event ({field} of {len} bytes): \
+                         larger than its proto-max-bulk-len? ({error})"
+                    ));
+                    held_back.push(aggregate_of(&events[index]));
+                }
+                Err(error) if position == 0 => return Err(error),
+                Err(error) => {
+                    // Redis failed as a whole after earlier parts went through: keep what was
+                    // published, and return this part and the rest (whose fate is unknown or
+                    // which were not sent) with the error.
+                    for later in &segments[position..] {
+                        for &index in later {
+                            if outcomes[index] == EntryOutcome::NotSent {
+                                outcomes[index] = EntryOutcome::BrokerRefused(error.0.clone());
+                            }
+                        }
+                    }
+                    return Ok(outcomes);
+                }
+            }
         }
+        Ok(outcomes)
+    }
+
+    /// One MULTI/EXEC exchange of the events at `indexes`, their outcomes in the same order.
+    fn exchange_segment(
+        &mut self,
+        events: &[OutboxEvent],
+        indexes: &[usize],
+        stream_template: &str,
+        maxlen: Option<u64>,
+    ) -> Result<Vec<EntryOutcome>, BrokerError> {
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for &index in &sendable {
+        for &index in indexes {
             let event = &events[index];
             let cmd = pipe.cmd("XADD").arg(event.stream_key(stream_template));
             if let Some(maxlen) = maxlen {
@@ -155,18 +216,53 @@ impl RedisSink {
         let packed = pipe.get_packed_pipeline();
         let timeout = self.config.as_ref().map_or(Duration::from_secs(5), |c| c.timeout);
         let connection = self.connection()?;
-        let exchanged = exchange(connection, &packed, sendable.len(), Instant::now() + timeout);
+        let exchanged = exchange(connection, &packed, indexes.len(), Instant::now() + timeout);
         let keep_connection = matches!(&exchanged, Ok(sent) if !sent.connection_closed);
         if !keep_connection {
             // Replies may still be in flight, or Redis closed the connection after a protocol
             // error: this connection's stream can no longer be trusted.
             self.connection = None;
         }
-        for (index, outcome) in sendable.into_iter().zip(exchanged?.outcomes) {
-            outcomes[index] = outcome;
-        }
-        Ok(outcomes)
+        exchanged.map(|sent| sent.outcomes)
     }
+
+    /// Whether Redis answers a PING on a fresh connection.
+    fn answers_ping(&mut self) -> bool {
+        self.connection = None;
+        match self.connection() {
+            Ok(connection) => redis::cmd("PING").query::<String>(connection).is_ok(),
+            Err(_) => false,
+        }
+    }
+}
+
+fn aggregate_of(event: &OutboxEvent) -> (&str, &str) {
+    (event.aggregate_type.as_str(), event.aggregate_id.as_str())
+}
+
+/// The indexes to send (in batch order) cut into consecutive exchanges: one for everything, or,
+/// when `suspect_above` is set, each event with an argument longer than it alone, between the runs
+/// of the others. Consecutive runs keep the batch's order, hence each aggregate's.
+fn segments(events: &[OutboxEvent], sendable: &[usize], suspect_above: Option<u64>) -> Vec<Vec<usize>> {
+    let Some(limit) = suspect_above else {
+        return vec![sendable.to_vec()];
+    };
+    let mut segments: Vec<Vec<usize>> = Vec::new();
+    let mut run = Vec::new();
+    for &index in sendable {
+        if events[index].largest_argument().1 as u64 > limit {
+            if !run.is_empty() {
+                segments.push(std::mem::take(&mut run));
+            }
+            segments.push(vec![index]);
+        } else {
+            run.push(index);
+        }
+    }
+    if !run.is_empty() {
+        segments.push(run);
+    }
+    segments
 }
 
 /// Refuses, without sending them, the events with an argument longer than Redis accepts
@@ -195,16 +291,13 @@ fn refuse_oversized(events: &[OutboxEvent], max_argument: u64) -> (Vec<EntryOutc
     (outcomes, sendable)
 }
 
-/// Reads Redis's `proto-max-bulk-len`. A user without the right to read the configuration (ACLs,
-/// managed services that rename CONFIG) gets Redis's default; a limit lowered below it then shows
-/// up as a protocol error, which `exchange` also pins on the entry that caused it.
-fn max_argument(connection: &mut redis::Connection) -> u64 {
+/// Reads Redis's `proto-max-bulk-len`; `None` when the relay's user may not (ACLs, managed
+/// services that rename CONFIG). Then an event that may be over a lowered limit is sent alone
+/// (see `publish`), and a protocol error is pinned on the entry that caused it (`exchange`).
+fn max_argument(connection: &mut redis::Connection) -> Option<u64> {
     let reply: redis::RedisResult<Vec<String>> =
         redis::cmd("CONFIG").arg("GET").arg("proto-max-bulk-len").query(connection);
-    match reply {
-        Ok(pair) => pair.get(1).and_then(|value| value.parse().ok()).unwrap_or(DEFAULT_MAX_ARGUMENT),
-        Err(_) => DEFAULT_MAX_ARGUMENT,
-    }
+    reply.ok().and_then(|pair| pair.get(1).and_then(|value| value.parse().ok()))
 }
 
 /// What one exchange produced.
@@ -516,6 +609,26 @@ mod tests {
         assert_eq!(sendable, [0, 2]);
         assert!(matches!(&outcomes[1], EntryOutcome::Rejected(e) if e.contains("payload is 2000 bytes")));
         assert_eq!(outcomes[3], EntryOutcome::NotSent);
+    }
+
+    #[test]
+    fn with_the_limit_unknown_large_events_go_alone_in_batch_order() {
+        let event = |id: i64, payload_len: usize| OutboxEvent {
+            id,
+            event_id: format!("e{id}"),
+            aggregate_type: "t".into(),
+            aggregate_id: id.to_string(),
+            aggregate_seq: 1,
+            event_type: "x".into(),
+            payload: "p".repeat(payload_len),
+            headers: None,
+            stream: None,
+            created_at: String::new(),
+        };
+        let events = [event(1, 10), event(2, 10), event(3, 5000), event(4, 10), event(5, 6000), event(6, 7000)];
+        let all = [0, 1, 2, 3, 4, 5];
+        assert_eq!(segments(&events, &all, None), vec![all.to_vec()]);
+        assert_eq!(segments(&events, &all, Some(1000)), vec![vec![0, 1], vec![2], vec![3], vec![4], vec![5]]);
     }
 
     #[test]
