@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every benchmark side by side in one go and writes bench/results/{report.md,results.json,latency.svg}:
-#   bash bench/run.sh            # full run (about 5 minutes)
+#   bash bench/run.sh            # full run (about 10 minutes)
 #   bash bench/run.sh --quick    # smaller numbers, for a smoke test
 #   BENCH_MODE=sustained bash bench/run.sh --rate 5000 --minutes 30 [--retention 5min]   # latency, rate reached
 #                                    # and table size minute by minute
@@ -25,6 +25,8 @@ cargo build --release -p outbox-bench >/dev/null 2>&1 || cargo build --release -
 start_private_servers "max_worker_processes = 16" "shared_buffers = '512MB'" "max_wal_size = '4GB'" \
   "log_autovacuum_min_duration = '1s'" "log_lock_waits = on"
 
+# The reports name the command that made them.
+export BENCH_COMMAND="${BENCH_MODE:+BENCH_MODE=$BENCH_MODE }bash bench/run.sh${*:+ $*}"
 ./target/release/outbox-bench "${BENCH_MODE:-all}" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
   --redis "redis://127.0.0.1:$REDIS_PORT" --pgbench "$PG_BIN/pgbench" --out "$OUT" "$@"
 if [ "${BENCH_MODE:-all}" = all ]; then

@@ -34,7 +34,12 @@ pub use entry::{render_stream_template, OutboxEvent};
 ::pgrx::pg_module_magic!();
 
 extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
-extension_sql_file!("sql/functions.sql", name = "functions", finalize);
+// The install script: the schema first; then the public API and the relay's statements (PL/pgSQL,
+// which may name the Rust helpers before they exist); operations last, since the stats view and the
+// privileges of the Rust helpers need those helpers created.
+extension_sql_file!("sql/api.sql", name = "api", requires = ["schema"]);
+extension_sql_file!("sql/relay.sql", name = "relay", requires = ["schema"]);
+extension_sql_file!("sql/operations.sql", name = "operations", finalize);
 
 /// Whether the library was loaded through `shared_preload_libraries` (inherited by every backend).
 static PRELOADED: AtomicBool = AtomicBool::new(false);

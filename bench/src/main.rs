@@ -2,8 +2,10 @@
 //! Redis, and written as a Markdown report, raw JSON and a latency histogram (SVG).
 //!
 //! `outbox-bench all --pg CONNINFO --redis URL --pgbench PATH --out DIR [--quick]` runs everything;
-//! `outbox-bench baseline-relay --pg CONNINFO --redis URL --batch N` is the external relay that the
-//! drain scenario starts as 1, 2 or 4 processes. `bench/run.sh` sets up the servers and calls `all`.
+//! `outbox-bench baseline-relay --pg CONNINFO --redis URL --batch N` is the external relay of the
+//! seeds' design (its own table `bench_seed_outbox`, none of outbox_pg's functions) that the drain
+//! and WAL scenarios start as 1, 2 or 4 processes; `outbox-bench sustained ...` is the latency
+//! scenario minute after minute. `bench/run.sh` sets up the servers and calls one of them.
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -96,7 +98,11 @@ fn configure(client: &mut postgres::Client, settings: &[(&str, &str)]) -> Result
     Ok(())
 }
 
-fn wait_until(timeout: Duration, mut probe: impl FnMut() -> Result<bool>) -> Result<()> {
+fn wait_until(timeout: Duration, probe: impl FnMut() -> Result<bool>) -> Result<()> {
+    wait_until_every(timeout, Duration::from_millis(2), probe)
+}
+
+fn wait_until_every(timeout: Duration, every: Duration, mut probe: impl FnMut() -> Result<bool>) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         if probe()? {
@@ -105,7 +111,7 @@ fn wait_until(timeout: Duration, mut probe: impl FnMut() -> Result<bool>) -> Res
         if Instant::now() > deadline {
             return Err("timed out".into());
         }
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(every);
     }
 }
 
@@ -234,15 +240,58 @@ fn rust_decimal_free_amount(i: u32) -> String {
 
 const DRAIN_STREAM: &str = "outbox:bench_drain";
 
-fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
+/// The outbox table of the seeds' design, which the external relay and the plain-INSERT side of
+/// the enqueue comparison use: a primary key and one pending index, nothing else.
+const SEED_OUTBOX_DDL: &str = "
+DROP TABLE IF EXISTS bench_seed_outbox;
+CREATE TABLE bench_seed_outbox (
+    id             bigserial PRIMARY KEY,
+    event_id       uuid,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb,
+    status         text DEFAULT 'pending',
+    created_at     timestamptz DEFAULT now(),
+    published_at   timestamptz
+);
+CREATE INDEX bench_seed_outbox_pending_idx ON bench_seed_outbox (id) WHERE status = 'pending';";
+
+/// The payload of event `i` of a backlog, the same for outbox_pg and for the seeds' table.
+const BACKLOG_PAYLOAD: &str = "jsonb_build_object('payment_id', i, 'amount', '12.34', 'payer', 'payer-' || i)";
+
+/// One transaction's worth of a backlog for outbox_pg: events `first..=last` of `aggregates`
+/// aggregates of type `aggregate_type`.
+fn enqueue_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64) -> String {
+    format!(
+        "SELECT outbox_enqueue('{aggregate_type}', (i % {aggregates})::bigint, 'payment.created', {BACKLOG_PAYLOAD})
+           FROM generate_series({first}, {last}) AS i"
+    )
+}
+
+/// The same events as `enqueue_sql`, as plain rows of the seeds' outbox table.
+fn seed_insert_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64) -> String {
+    format!(
+        "INSERT INTO bench_seed_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+         SELECT gen_random_uuid(), '{aggregate_type}', (i % {aggregates})::text, 'payment.created', {BACKLOG_PAYLOAD}
+           FROM generate_series({first}, {last}) AS i"
+    )
+}
+
+/// Pauses the relays, lets one that is mid-round finish, and empties `outbox.messages`.
+fn pause_and_empty_outbox(admin: &mut postgres::Client) -> Result<()> {
     configure(admin, &[("outbox.enabled", "off")])?;
-    // Let a relay that is mid-round finish before the backlog is written.
     wait_until(Duration::from_secs(10), || {
-        let busy: i64 =
-            admin.query_one("SELECT count(*) FROM outbox.messages WHERE status = 'publishing'", &[])?.get(0);
+        let busy: i64 = admin.query_one("SELECT publishing FROM outbox.stats", &[])?.get(0);
         Ok(busy == 0)
     })?;
     admin.batch_execute("TRUNCATE outbox.messages")?;
+    Ok(())
+}
+
+fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
+    pause_and_empty_outbox(admin)?;
     admin.batch_execute("VACUUM ANALYZE outbox.messages")?;
     redis::cmd("DEL").arg(DRAIN_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
     // With 10,000 aggregates (10 events each) ordering has runs to respect; with one aggregate,
@@ -250,158 +299,229 @@ fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggre
     // enqueues many events for one aggregate rewrites its counter row each time, and each call
     // walks the versions the transaction made before (quadratic; see docs/performance.md).
     for first in (1..=events).step_by(1000) {
-        let last = (first + 999).min(events);
-        admin.batch_execute(&format!(
-            "SELECT outbox_enqueue('bench_drain', (i % {aggregates})::bigint, 'payment.created',
-                                   jsonb_build_object('payment_id', i, 'amount', '12.34', 'payer', 'payer-' || i))
-               FROM generate_series({first}, {last}) AS i"
-        ))?;
+        admin.batch_execute(&enqueue_sql("bench_drain", aggregates, first, (first + 999).min(events)))?;
     }
     admin.batch_execute("VACUUM ANALYZE outbox.messages")?;
     Ok(())
 }
 
-fn wait_drained(args: &Args, events: i64) -> Result<()> {
+/// The same backlog as `prepare_backlog` (same events, same transactions of 1,000), in the seeds'
+/// table for the external relay.
+fn prepare_seed_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
+    admin.batch_execute("TRUNCATE bench_seed_outbox")?;
+    redis::cmd("DEL").arg(DRAIN_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
+    for first in (1..=events).step_by(1000) {
+        admin.batch_execute(&seed_insert_sql("bench_drain", aggregates, first, (first + 999).min(events)))?;
+    }
+    admin.batch_execute("VACUUM ANALYZE bench_seed_outbox")?;
+    Ok(())
+}
+
+fn wait_drained(args: &Args, stream: &str, events: i64) -> Result<()> {
     let mut con = redis_connection(&args.redis)?;
     wait_until(Duration::from_secs(600), || {
-        let len: i64 = redis::cmd("XLEN").arg(DRAIN_STREAM).query(&mut con)?;
+        let len: i64 = redis::cmd("XLEN").arg(stream).query(&mut con)?;
         Ok(len >= events)
     })
 }
 
-fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) -> Result<f64> {
+/// Waits until the relays have settled everything they published: nothing pending, nothing in
+/// flight. Polled gently, since counting a large backlog competes with the relay for the cores.
+fn wait_settled(admin: &mut postgres::Client) -> Result<()> {
+    wait_until_every(Duration::from_secs(120), Duration::from_millis(20), || {
+        let left: i64 = admin.query_one("SELECT pending + publishing FROM outbox.stats", &[])?.get(0);
+        Ok(left == 0)
+    })
+}
+
+fn relay_pids(admin: &mut postgres::Client) -> Result<Vec<i32>> {
+    Ok(admin
+        .query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'", &[])?
+        .iter()
+        .map(|row| row.get(0))
+        .collect())
+}
+
+/// Dead tuples and total size (indexes and TOAST included) of `table` as the statistics show it
+/// once the relays have flushed their counters (they do so at most once a second, between rounds).
+fn table_state(admin: &mut postgres::Client, table: &str) -> Result<(i64, i64)> {
+    std::thread::sleep(Duration::from_millis(2500));
+    admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
+    let row = admin.query_one(
+        "SELECT pg_stat_get_dead_tuples($1::text::regclass), pg_total_relation_size($1::text::regclass)",
+        &[&table],
+    )?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// One drain of a backlog: how fast, the CPU it took, and the table it left behind.
+struct Drain {
+    /// Workers (outbox_pg) or processes (external relay).
+    relays: usize,
+    events_per_s: f64,
+    /// CPU per event: the relay workers (outbox_pg), or the external process plus the PostgreSQL
+    /// backend serving it.
+    cpu_us_per_event: f64,
+    /// For the external relay: the part of `cpu_us_per_event` spent in its own process.
+    client_cpu_us_per_event: Option<f64>,
+    dead_tuples: i64,
+    total_bytes: i64,
+}
+
+fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) -> Result<Drain> {
     let mut admin = pg(&args.pg)?;
     prepare_backlog(args, &mut admin, events, aggregates)?;
     configure(&mut admin, &[("outbox.workers", &workers.to_string()), ("outbox.batch_size", &args.batch.to_string())])?;
-    wait_until(Duration::from_secs(30), || {
-        let running: i64 = admin
-            .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'", &[])?
-            .get(0);
-        Ok(running == workers as i64)
-    })?;
+    wait_until(Duration::from_secs(30), || Ok(relay_pids(&mut admin)?.len() == workers))?;
+    let pids = relay_pids(&mut admin)?;
+    let ticks = |pids: &[i32]| pids.iter().map(|&pid| cpu_ticks(pid)).sum::<Result<u64>>();
+    let ticks_before = ticks(&pids)?;
     let started = Instant::now();
     admin.batch_execute("ALTER SYSTEM SET outbox.enabled = 'on'")?;
     admin.batch_execute("SELECT pg_reload_conf()")?;
-    wait_drained(args, events)?;
-    Ok(events as f64 / started.elapsed().as_secs_f64())
+    wait_drained(args, DRAIN_STREAM, events)?;
+    let events_per_s = events as f64 / started.elapsed().as_secs_f64();
+    // The last batch is settled after its XADDs: its CPU belongs to the drain too.
+    wait_settled(&mut admin)?;
+    let ticks_after = ticks(&pids)?;
+    let (dead_tuples, total_bytes) = table_state(&mut admin, "outbox.messages")?;
+    Ok(Drain {
+        relays: workers,
+        events_per_s,
+        cpu_us_per_event: ticks_to_us(ticks_after - ticks_before) / events as f64,
+        client_cpu_us_per_event: None,
+        dead_tuples,
+        total_bytes,
+    })
 }
 
-fn drain_baseline(args: &Args, events: i64, aggregates: i64, processes: usize) -> Result<f64> {
+/// What one `baseline-relay` process reports when it exits.
+#[derive(Default)]
+struct BaselineReport {
+    events: u64,
+    backend_ticks: u64,
+    process_ticks: u64,
+}
+
+fn spawn_baseline(args: &Args) -> Result<std::process::Child> {
+    Ok(Command::new(std::env::current_exe()?)
+        .args(["baseline-relay", "--pg", &args.pg, "--redis", &args.redis, "--batch", &args.batch.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?)
+}
+
+fn finish_baseline(child: std::process::Child) -> Result<BaselineReport> {
+    let output = child.wait_with_output()?;
+    if !output.status.success() {
+        return Err(format!("baseline-relay exited with {}", output.status).into());
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    let mut report = BaselineReport::default();
+    for pair in text.split_whitespace().filter_map(|word| word.split_once('=')) {
+        match pair {
+            ("events", n) => report.events = n.parse()?,
+            ("backend_ticks", n) => report.backend_ticks = n.parse()?,
+            ("process_ticks", n) => report.process_ticks = n.parse()?,
+            _ => {}
+        }
+    }
+    Ok(report)
+}
+
+fn drain_baseline(args: &Args, events: i64, aggregates: i64, processes: usize) -> Result<Drain> {
     let mut admin = pg(&args.pg)?;
-    prepare_backlog(args, &mut admin, events, aggregates)?;
-    let exe = std::env::current_exe()?;
+    prepare_seed_backlog(args, &mut admin, events, aggregates)?;
     let started = Instant::now();
-    let mut children = Vec::new();
-    for _ in 0..processes {
-        children.push(
-            Command::new(&exe)
-                .args(["baseline-relay", "--pg", &args.pg, "--redis", &args.redis, "--batch", &args.batch.to_string()])
-                .spawn()?,
-        );
-    }
-    wait_drained(args, events)?;
-    let rate = events as f64 / started.elapsed().as_secs_f64();
-    for mut child in children {
-        let _ = child.wait();
-    }
-    Ok(rate)
+    let children = (0..processes).map(|_| spawn_baseline(args)).collect::<Result<Vec<_>>>()?;
+    wait_drained(args, DRAIN_STREAM, events)?;
+    let events_per_s = events as f64 / started.elapsed().as_secs_f64();
+    let reports = children.into_iter().map(finish_baseline).collect::<Result<Vec<_>>>()?;
+    let backend_ticks: u64 = reports.iter().map(|r| r.backend_ticks).sum();
+    let process_ticks: u64 = reports.iter().map(|r| r.process_ticks).sum();
+    let (dead_tuples, total_bytes) = table_state(&mut admin, "bench_seed_outbox")?;
+    Ok(Drain {
+        relays: processes,
+        events_per_s,
+        cpu_us_per_event: ticks_to_us(backend_ticks + process_ticks) / events as f64,
+        client_cpu_us_per_event: Some(ticks_to_us(process_ticks) / events as f64),
+        dead_tuples,
+        total_bytes,
+    })
 }
 
-/// The claim an external relay runs: what `outbox._claim_batch` does, minus the claim lock and the
-/// skipping of rows held by in-server relays, which only matter when those run (they are paused
-/// here) and which a hand-written relay would not have. With them, several external processes would
-/// take turns claiming instead of claiming side by side (SKIP LOCKED).
-const BASELINE_CLAIM: &str = "
-WITH candidates AS MATERIALIZED (
-    SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
-      FROM outbox.messages m
-     WHERE m.status = 'pending'
-       AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
-       AND NOT EXISTS (
-               SELECT 1 FROM outbox.messages e
-                WHERE e.aggregate_type = m.aggregate_type AND e.aggregate_id = m.aggregate_id
-                  AND e.aggregate_seq < m.aggregate_seq
-                  AND (e.status IN ('publishing', 'failed') OR (e.status = 'pending' AND e.available_at IS NOT NULL))
-                  AND NOT (e.status = 'pending' AND e.available_at <= clock_timestamp())
-                OFFSET 0)
-     ORDER BY m.id
-     LIMIT $1::integer
-       FOR UPDATE SKIP LOCKED
-),
-runs AS MATERIALIZED (
-    SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_seq,
-           c.aggregate_seq - row_number() OVER w + 1 AS run_start, first_value(c.aggregate_seq) OVER w AS first_seq
-      FROM candidates c
-    WINDOW w AS (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.aggregate_seq)
-),
-ready AS (
-    SELECT r.aggregate_type, r.aggregate_id FROM runs r
-     WHERE r.aggregate_seq = r.first_seq
-       AND NOT EXISTS (
-               SELECT 1 FROM outbox.messages e
-                WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id
-                  AND e.aggregate_seq < r.first_seq AND e.status IN ('pending', 'publishing', 'failed'))
-),
-claimable AS (
-    SELECT r.id FROM runs r JOIN ready USING (aggregate_type, aggregate_id) WHERE r.run_start = r.first_seq
-)
-UPDATE outbox.messages m
-   SET status = 'publishing', claimed_at = clock_timestamp(), claimed_by = pg_backend_pid(), attempts = m.attempts + 1
-  FROM claimable c
- WHERE m.id = c.id
-RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
-          m.payload::text, m.headers::text, m.stream,
-          to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')";
+/// The seeds' claim: the oldest pending rows, skipping those another process is claiming, marked
+/// `publishing` in the same statement. No per-aggregate order: the seeds' design has none.
+const SEED_CLAIM: &str = "
+UPDATE bench_seed_outbox SET status = 'publishing'
+ WHERE id IN (SELECT id FROM bench_seed_outbox WHERE status = 'pending' ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+RETURNING id, event_id::text, aggregate_type, aggregate_id, event_type, payload::text, headers::text,
+          to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')";
 
-/// The relay users would otherwise write: a separate process that, over client connections,
-/// claims with the same choice of rows (FOR UPDATE SKIP LOCKED, per-aggregate order) marking them
-/// `publishing`, XADDs the batch in one pipeline and marks it published in one statement. It exits
-/// when nothing is left to claim.
+/// The seeds' settle: the whole batch marked published in one statement.
+const SEED_MARK: &str = "UPDATE bench_seed_outbox SET status = 'published', published_at = now() WHERE id = ANY($1)";
+
+/// The external relay of the seeds' design, tuned: a separate process that, over a client
+/// connection and on its own table (`bench_seed_outbox`), claims a batch, XADDs it in one pipeline
+/// (the same fields as outbox_pg's entries) and marks it published in one bulk UPDATE. It uses none
+/// of outbox_pg's functions. It exits when nothing is left pending, printing how many events it
+/// published and the CPU ticks of its backend and of itself.
 fn baseline_relay(args: &Args) -> Result<()> {
     let mut client = pg(&args.pg)?;
-    // As the in-server relay's functions do: no JIT, no sort or sequential scan of the table (see
-    // outbox._claim_batch).
-    client.batch_execute("SET jit = off; SET enable_sort = off; SET enable_seqscan = off")?;
+    // Tuned as a relay that runs these prepared statements all day would be: no JIT (their generic
+    // plans can cost enough to be compiled on every call, see docs/performance.md), and no
+    // sequential scan: the claim's generic plan otherwise hashes the batch's ids and scans the whole
+    // table to find them (22 ms against 7 ms per 1,000 rows of a 100,000-row backlog).
+    client.batch_execute("SET jit = off; SET enable_seqscan = off")?;
+    let backend: i32 = client.query_one("SELECT pg_backend_pid()", &[])?.get(0);
+    let me = std::process::id() as i32;
+    let (backend_before, me_before) = (cpu_ticks(backend)?, cpu_ticks(me)?);
     let mut con = redis_connection(&args.redis)?;
-    let claim = client.prepare(BASELINE_CLAIM)?;
-    let mark = client.prepare("SELECT outbox._mark_published($1)")?;
-    let mut empty_rounds = 0;
+    let claim = client.prepare(SEED_CLAIM)?;
+    let mark = client.prepare(SEED_MARK)?;
+    let any_pending = client.prepare("SELECT EXISTS (SELECT 1 FROM bench_seed_outbox WHERE status = 'pending')")?;
+    let limit = i64::from(args.batch);
+    let mut published = 0u64;
     loop {
-        let mut rows = client.query(&claim, &[&args.batch])?;
+        let mut rows = client.query(&claim, &[&limit])?;
         if rows.is_empty() {
-            let left: i64 =
-                client.query_one("SELECT count(*) FROM outbox.messages WHERE status <> 'published'", &[])?.get(0);
-            if left == 0 || empty_rounds > 2000 {
-                return Ok(());
+            // SKIP LOCKED passes over rows that another process is claiming: they are still
+            // pending until its claim commits.
+            if !client.query_one(&any_pending, &[])?.get::<_, bool>(0) {
+                break;
             }
-            empty_rounds += 1;
             std::thread::sleep(Duration::from_millis(1));
             continue;
         }
         rows.sort_by_key(|row| row.get::<_, i64>(0));
         let mut pipe = redis::pipe();
         let mut ids = Vec::with_capacity(rows.len());
-        for row in &rows {
+        for (position, row) in rows.iter().enumerate() {
             let id: i64 = row.get(0);
             ids.push(id);
             let aggregate_type: String = row.get(2);
-            let stream: Option<String> = row.get(8);
-            let cmd = pipe.cmd("XADD").arg(stream.unwrap_or_else(|| format!("outbox:{aggregate_type}"))).arg("*");
+            let cmd = pipe.cmd("XADD").arg(format!("outbox:{aggregate_type}")).arg("*");
             cmd.arg("event_id").arg(row.get::<_, String>(1)).arg("outbox_id").arg(id.to_string());
             cmd.arg("aggregate_type").arg(&aggregate_type).arg("aggregate_id").arg(row.get::<_, String>(3));
-            cmd.arg("aggregate_seq")
-                .arg(row.get::<_, i64>(4).to_string())
-                .arg("event_type")
-                .arg(row.get::<_, String>(5));
-            cmd.arg("payload").arg(row.get::<_, String>(6));
-            if let Some(headers) = row.get::<_, Option<String>>(7) {
+            // The seeds' table has no sequence number; the row's place in the batch fills the field
+            // so that entries are as large as outbox_pg's.
+            cmd.arg("aggregate_seq").arg((position + 1).to_string()).arg("event_type").arg(row.get::<_, String>(4));
+            cmd.arg("payload").arg(row.get::<_, String>(5));
+            if let Some(headers) = row.get::<_, Option<String>>(6) {
                 cmd.arg("headers").arg(headers);
             }
-            cmd.arg("created_at").arg(row.get::<_, String>(9));
+            cmd.arg("created_at").arg(row.get::<_, String>(7));
         }
         pipe.query::<()>(&mut con)?;
-        client.query_one(&mark, &[&ids])?;
+        client.execute(&mark, &[&ids])?;
+        published += ids.len() as u64;
     }
+    let (backend_after, me_after) = (cpu_ticks(backend)?, cpu_ticks(me)?);
+    println!(
+        "events={published} backend_ticks={} process_ticks={}",
+        backend_after - backend_before,
+        me_after - me_before
+    );
+    Ok(())
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -409,8 +529,19 @@ fn baseline_relay(args: &Args) -> Result<()> {
 // ------------------------------------------------------------------------------------------------
 
 struct Tps {
+    /// Medians.
     plain: f64,
     outbox: f64,
+    plain_runs: Vec<f64>,
+    outbox_runs: Vec<f64>,
+    /// `outbox.stats.pending` right after each outbox_enqueue run: whether a running relay kept up.
+    pending_after: Vec<i64>,
+}
+
+impl Tps {
+    fn ratio(&self) -> f64 {
+        self.outbox / self.plain
+    }
 }
 
 fn pgbench_tps(args: &Args, script: &str, seconds: u32) -> Result<f64> {
@@ -437,11 +568,14 @@ fn pgbench_tps(args: &Args, script: &str, seconds: u32) -> Result<f64> {
 
 fn enqueue_cost(args: &Args, seconds: u32, relay_on: bool) -> Result<Tps> {
     let mut admin = pg(&args.pg)?;
+    // Both sides start from empty tables.
+    pause_and_empty_outbox(&mut admin)?;
+    admin.batch_execute("TRUNCATE bench_seed_outbox, bench_payments")?;
     configure(&mut admin, &[("outbox.enabled", if relay_on { "on" } else { "off" }), ("outbox.workers", "1")])?;
     let plain = "BEGIN;
 INSERT INTO bench_payments (payer, amount) VALUES ('payer', 12.34);
-INSERT INTO bench_plain_events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload)
-VALUES (gen_random_uuid(), 'payment', currval('bench_payments_id_seq')::text, 1, 'payment.created', '{\"amount\": \"12.34\"}');
+INSERT INTO bench_seed_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+VALUES (gen_random_uuid(), 'payment', currval('bench_payments_id_seq')::text, 'payment.created', '{\"amount\": \"12.34\"}');
 END;
 ";
     let outbox = "BEGIN;
@@ -450,14 +584,131 @@ SELECT outbox_enqueue('payment', currval('bench_payments_id_seq'), 'payment.crea
 END;
 ";
     // Alternate the two, three times each, and keep the medians: the machine's noise hits both.
-    let (mut plains, mut outboxes) = (Vec::new(), Vec::new());
+    let (mut plain_runs, mut outbox_runs, mut pending_after) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
-        plains.push(pgbench_tps(args, plain, seconds)?);
-        outboxes.push(pgbench_tps(args, outbox, seconds)?);
+        plain_runs.push(pgbench_tps(args, plain, seconds)?);
+        outbox_runs.push(pgbench_tps(args, outbox, seconds)?);
+        pending_after.push(admin.query_one("SELECT pending FROM outbox.stats", &[])?.get(0));
     }
-    plains.sort_by(|a, b| a.total_cmp(b));
-    outboxes.sort_by(|a, b| a.total_cmp(b));
-    Ok(Tps { plain: plains[1], outbox: outboxes[1] })
+    let median = |runs: &[f64]| {
+        let mut sorted = runs.to_vec();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        sorted[sorted.len() / 2]
+    };
+    Ok(Tps { plain: median(&plain_runs), outbox: median(&outbox_runs), plain_runs, outbox_runs, pending_after })
+}
+
+// ------------------------------------------------------------------------------------------------
+// WAL per event: enqueue, relay and retention, outbox_pg against the seeds' path.
+// ------------------------------------------------------------------------------------------------
+
+const WAL_STREAM: &str = "outbox:bench_wal";
+
+/// WAL bytes written by each phase of one path.
+struct WalPath {
+    enqueue: i64,
+    relay: i64,
+    retention: i64,
+}
+
+impl WalPath {
+    fn total(&self) -> i64 {
+        self.enqueue + self.relay + self.retention
+    }
+}
+
+struct Wal {
+    events: i64,
+    aggregates: i64,
+    per_transaction: i64,
+    outbox: WalPath,
+    seeds: WalPath,
+}
+
+/// The WAL insert position. Not `pg_current_wal_lsn()`, the write position: the relays commit
+/// asynchronously, and WAL they inserted may not be written yet when a phase ends.
+fn wal_position(admin: &mut postgres::Client) -> Result<String> {
+    Ok(admin.query_one("SELECT pg_current_wal_insert_lsn()::text", &[])?.get(0))
+}
+
+fn wal_since(admin: &mut postgres::Client, from: &str) -> Result<i64> {
+    Ok(admin
+        .query_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), $1::text::pg_lsn)::bigint", &[&from])?
+        .get(0))
+}
+
+/// Measures one path: a CHECKPOINT (so that both paths start with no page already imaged since the
+/// last one), then `enqueue`, `relay` and `retention` in turn, the WAL position read after each.
+fn wal_path(
+    admin: &mut postgres::Client,
+    enqueue: impl FnOnce(&mut postgres::Client) -> Result<()>,
+    relay: impl FnOnce(&mut postgres::Client) -> Result<()>,
+    retention: &str,
+) -> Result<WalPath> {
+    admin.batch_execute("CHECKPOINT")?;
+    let start = wal_position(admin)?;
+    enqueue(admin)?;
+    let enqueued = wal_since(admin, &start)?;
+    relay(admin)?;
+    let relayed = wal_since(admin, &start)?;
+    admin.batch_execute(retention)?;
+    let retained = wal_since(admin, &start)?;
+    Ok(WalPath { enqueue: enqueued, relay: relayed - enqueued, retention: retained - relayed })
+}
+
+fn wal_per_event(args: &Args, events: i64, aggregates: i64, per_transaction: i64) -> Result<Wal> {
+    let mut admin = pg(&args.pg)?;
+    // Nothing else may write while WAL is counted: an autovacuum would land in one path's window
+    // and not the other's.
+    configure(&mut admin, &[("autovacuum", "off")])?;
+    let measured = (|| -> Result<Wal> {
+        wait_until(Duration::from_secs(120), || {
+            let running: i64 = admin
+                .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'autovacuum worker'", &[])?
+                .get(0);
+            Ok(running == 0)
+        })?;
+        let batches = |admin: &mut postgres::Client, sql: &dyn Fn(i64, i64) -> String| -> Result<()> {
+            for first in (1..=events).step_by(per_transaction as usize) {
+                admin.batch_execute(&sql(first, (first + per_transaction - 1).min(events)))?;
+            }
+            Ok(())
+        };
+
+        pause_and_empty_outbox(&mut admin)?;
+        configure(&mut admin, &[("outbox.workers", "1"), ("outbox.batch_size", &args.batch.to_string())])?;
+        redis::cmd("DEL").arg(WAL_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
+        let outbox = wal_path(
+            &mut admin,
+            |admin| batches(admin, &|first, last| enqueue_sql("bench_wal", aggregates, first, last)),
+            |admin| {
+                configure(admin, &[("outbox.enabled", "on")])?;
+                wait_drained(args, WAL_STREAM, events)?;
+                wait_settled(admin)
+            },
+            "SELECT outbox.purge('0')",
+        )?;
+        configure(&mut admin, &[("outbox.enabled", "off")])?;
+
+        admin.batch_execute("TRUNCATE bench_seed_outbox")?;
+        redis::cmd("DEL").arg(WAL_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
+        let seeds = wal_path(
+            &mut admin,
+            |admin| batches(admin, &|first, last| seed_insert_sql("bench_wal", aggregates, first, last)),
+            |_| {
+                let report = finish_baseline(spawn_baseline(args)?)?;
+                if report.events != events as u64 {
+                    return Err(format!("baseline-relay published {} of {events} events", report.events).into());
+                }
+                Ok(())
+            },
+            "DELETE FROM bench_seed_outbox WHERE status = 'published'",
+        )?;
+        Ok(Wal { events, aggregates, per_transaction, outbox, seeds })
+    })();
+    admin.batch_execute("ALTER SYSTEM RESET autovacuum")?;
+    admin.batch_execute("SELECT pg_reload_conf()")?;
+    measured
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -471,11 +722,18 @@ struct Idle {
     poll_interval: String,
 }
 
-fn relay_cpu_ticks(pid: i32) -> Result<u64> {
+/// User plus system CPU time of process `pid` so far, in clock ticks (`/proc/<pid>/stat`).
+fn cpu_ticks(pid: i32) -> Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     let fields: Vec<&str> = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("").split_whitespace().collect();
     Ok(fields.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
         + fields.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0))
+}
+
+fn ticks_to_us(ticks: u64) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc_sysconf_clk_tck() } as f64;
+    ticks as f64 * 1e6 / hz
 }
 
 fn idle(args: &Args, seconds: u64) -> Result<Idle> {
@@ -501,15 +759,13 @@ fn idle(args: &Args, seconds: u64) -> Result<Idle> {
             .get(0))
     };
     admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
-    let (ticks_before, xacts_before) = (relay_cpu_ticks(pid)?, xacts(&mut admin)?);
+    let (ticks_before, xacts_before) = (cpu_ticks(pid)?, xacts(&mut admin)?);
     std::thread::sleep(Duration::from_secs(seconds));
     admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
-    let (ticks_after, xacts_after) = (relay_cpu_ticks(pid)?, xacts(&mut admin)?);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc_sysconf_clk_tck() } as f64;
+    let (ticks_after, xacts_after) = (cpu_ticks(pid)?, xacts(&mut admin)?);
     Ok(Idle {
         seconds,
-        cpu_ms: (ticks_after - ticks_before) as f64 * 1000.0 / hz,
+        cpu_ms: ticks_to_us(ticks_after - ticks_before) / 1000.0,
         // Minus this session's own two snapshot-clearing transactions and the counter reads.
         transactions: (xacts_after - xacts_before - 3).max(0),
         poll_interval,
@@ -541,12 +797,7 @@ fn sustained(args: &Args) -> Result<()> {
         }
         None => "default retention (7 days: nothing is deleted yet)".to_string(),
     };
-    let command = format!(
-        "BENCH_MODE=sustained bash bench/run.sh --rate {} --minutes {}{}",
-        args.rate,
-        args.minutes,
-        args.retention.as_ref().map(|r| format!(" --retention {r}")).unwrap_or_default()
-    );
+    let command = command_line(args);
     let mut md = format!(
         "# Sustained run: {} events/s for {} minutes\n\nMade with `{command}`.\n\n{}, {retention}.\n\n\
          | minute | events | achieved events/s | p50 | p99 | max | outbox.messages size | dead tuples | pending at end |\n|---|---|---|---|---|---|---|---|---|\n",
@@ -643,50 +894,127 @@ fn histogram_svg(samples_ms: &[f64]) -> String {
     svg
 }
 
+/// The command that produced a report: `bench/run.sh` passes its own command line; run directly,
+/// the `bench/run.sh` invocation with the same arguments.
+fn command_line(args: &Args) -> String {
+    if let Ok(command) = std::env::var("BENCH_COMMAND") {
+        return command;
+    }
+    let mut command = String::new();
+    if args.command == "sustained" {
+        command.push_str(&format!(
+            "BENCH_MODE=sustained bash bench/run.sh --rate {} --minutes {}",
+            args.rate, args.minutes
+        ));
+        if let Some(retention) = &args.retention {
+            command.push_str(&format!(" --retention {retention}"));
+        }
+    } else {
+        command.push_str("bash bench/run.sh");
+    }
+    if args.quick {
+        command.push_str(" --quick");
+    }
+    if args.batch != 1000 {
+        command.push_str(&format!(" --batch {}", args.batch));
+    }
+    command
+}
+
+/// Everything `all` measures, for the report.
+struct Results {
+    command: String,
+    machine: String,
+    drain_events: i64,
+    lat: Latency,
+    /// 10,000 aggregates; 1, 2 and 4 workers.
+    in_server: Vec<Drain>,
+    /// One aggregate, one worker.
+    one_aggregate: Drain,
+    /// 10,000 aggregates; 1, 2 and 4 processes.
+    baseline: Vec<Drain>,
+    /// One aggregate, one process.
+    one_aggregate_baseline: Drain,
+    wal: Wal,
+    tps_off: Tps,
+    tps_on: Tps,
+    idle: Idle,
+}
+
 fn run_all(args: &Args) -> Result<()> {
-    let (latency_seconds, drain_events, tps_seconds, idle_seconds) =
-        if args.quick { (3, 20_000, 3, 3) } else { (15, 100_000, 10, 10) };
+    let (latency_seconds, drain_events, tps_seconds, idle_seconds, wal_events, wal_aggregates) =
+        if args.quick { (3, 20_000, 3, 3, 2_000, 200) } else { (15, 100_000, 10, 10, 20_000, 2_000) };
     let mut admin = pg(&args.pg)?;
     admin.batch_execute(
         "CREATE TABLE IF NOT EXISTS bench_payments (id bigserial PRIMARY KEY, payer text NOT NULL,
-                                                    amount numeric(12,2) NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
-         -- The equivalent table: outbox.messages' columns, defaults, constraints and indexes.
-         CREATE TABLE IF NOT EXISTS bench_plain_events (LIKE outbox.messages INCLUDING ALL);",
+                                                    amount numeric(12,2) NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
     )?;
+    admin.batch_execute(SEED_OUTBOX_DDL)?;
     let machine = machine_facts(&mut admin)?;
 
     eprintln!("== latency at 1,000 events/s for {latency_seconds} s");
     let lat = latency(args, 1000, latency_seconds)?;
-    eprintln!("== drain {drain_events} events, in-server relay, 1/2/4 workers");
+    eprintln!("== drain {drain_events} events over 10,000 aggregates, in-server relay, 1/2/4 workers");
     let mut in_server = Vec::new();
     for workers in [1, 2, 4] {
-        let rate = drain_in_server(args, drain_events, 10_000, workers)?;
-        eprintln!("   {workers} worker(s): {rate:.0} events/s");
-        in_server.push((workers, rate));
-    }
-    configure(&mut admin, &[("outbox.enabled", "off"), ("outbox.workers", "1")])?;
-    eprintln!("== drain {drain_events} events, external relay, 1/2/4 processes");
-    let mut baseline = Vec::new();
-    for processes in [1, 2, 4] {
-        let rate = drain_baseline(args, drain_events, 10_000, processes)?;
-        eprintln!("   {processes} process(es): {rate:.0} events/s");
-        baseline.push((processes, rate));
+        let drain = drain_in_server(args, drain_events, 10_000, workers)?;
+        eprintln!(
+            "   {workers} worker(s): {:.0} events/s, relay CPU {:.1} µs/event",
+            drain.events_per_s, drain.cpu_us_per_event
+        );
+        in_server.push(drain);
     }
     // A burst for one aggregate: every event has its predecessor in the batch or delivered.
-    eprintln!("== drain {drain_events} events of one aggregate, one worker / one external process");
-    let one_aggregate = (drain_in_server(args, drain_events, 1, 1)?, {
-        configure(&mut admin, &[("outbox.enabled", "off")])?;
-        drain_baseline(args, drain_events, 1, 1)?
-    });
-    eprintln!("   outbox_pg {:.0} events/s, external relay {:.0} events/s", one_aggregate.0, one_aggregate.1);
+    eprintln!("== drain {drain_events} events of one aggregate, one worker");
+    let one_aggregate = drain_in_server(args, drain_events, 1, 1)?;
+    eprintln!("   {:.0} events/s", one_aggregate.events_per_s);
+    configure(&mut admin, &[("outbox.enabled", "off"), ("outbox.workers", "1")])?;
+    eprintln!("== drain {drain_events} events over 10,000 aggregates, external relay (seeds' design), 1/2/4 processes");
+    let mut baseline = Vec::new();
+    for processes in [1, 2, 4] {
+        let drain = drain_baseline(args, drain_events, 10_000, processes)?;
+        eprintln!(
+            "   {processes} process(es): {:.0} events/s, CPU {:.1} µs/event",
+            drain.events_per_s, drain.cpu_us_per_event
+        );
+        baseline.push(drain);
+    }
+    eprintln!("== drain {drain_events} events of one aggregate, external relay, one process");
+    let one_aggregate_baseline = drain_baseline(args, drain_events, 1, 1)?;
+    eprintln!("   {:.0} events/s", one_aggregate_baseline.events_per_s);
+    eprintln!("== WAL per event: {wal_events} events over {wal_aggregates} aggregates, outbox_pg and the seeds' path");
+    let wal = wal_per_event(args, wal_events, wal_aggregates, 100)?;
+    eprintln!(
+        "   outbox_pg {:.0} B/event, seeds {:.0} B/event",
+        wal.outbox.total() as f64 / wal.events as f64,
+        wal.seeds.total() as f64 / wal.events as f64
+    );
     eprintln!("== enqueue cost (pgbench, 4 clients, {tps_seconds} s per run, median of 3)");
     let tps_off = enqueue_cost(args, tps_seconds, false)?;
     let tps_on = enqueue_cost(args, tps_seconds, true)?;
+    eprintln!("   relay paused {:.1}%, running {:.1}%", 100.0 * tps_off.ratio(), 100.0 * tps_on.ratio());
     eprintln!("== idle for {idle_seconds} s");
     let idle = idle(args, idle_seconds)?;
-    admin.batch_execute("SELECT outbox.purge('0'); TRUNCATE bench_payments, bench_plain_events")?;
+    admin.batch_execute("SELECT outbox.purge('0')")?;
+    admin.batch_execute("TRUNCATE bench_payments, bench_seed_outbox")?;
 
-    write_report(args, &machine, &lat, &in_server, &baseline, one_aggregate, &tps_off, &tps_on, &idle)
+    write_report(
+        args,
+        &Results {
+            command: command_line(args),
+            machine,
+            drain_events,
+            lat,
+            in_server,
+            one_aggregate,
+            baseline,
+            one_aggregate_baseline,
+            wal,
+            tps_off,
+            tps_on,
+            idle,
+        },
+    )
 }
 
 fn machine_facts(admin: &mut postgres::Client) -> Result<String> {
@@ -707,47 +1035,232 @@ fn machine_facts(admin: &mut postgres::Client) -> Result<String> {
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn write_report(
-    args: &Args,
-    machine: &str,
-    lat: &Latency,
-    in_server: &[(usize, f64)],
-    baseline: &[(usize, f64)],
-    one_aggregate: (f64, f64),
-    tps_off: &Tps,
-    tps_on: &Tps,
-    idle: &Idle,
-) -> Result<()> {
+/// `n` rounded, with thousands separated by commas.
+fn grouped(n: f64) -> String {
+    let digits = format!("{:.0}", n.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0.0 && digits != "0" {
+        out.insert(0, '-');
+    }
+    out
+}
+
+/// "1 worker", "2 workers"; "1 process", "4 processes".
+fn plural(n: usize, noun: &str) -> String {
+    match (n, noun.ends_with('s')) {
+        (1, _) => format!("1 {noun}"),
+        (_, true) => format!("{n} {noun}es"),
+        (_, false) => format!("{n} {noun}s"),
+    }
+}
+
+/// One row of the targets table.
+struct Target {
+    figure: String,
+    result: String,
+    target: &'static str,
+    /// `None` when the row has no target of its own.
+    met: Option<bool>,
+}
+
+/// The targets of issue 12, each with this run's figure.
+fn targets(r: &Results) -> Vec<Target> {
+    let (p50, p99) = (percentile(&r.lat.samples_ms, 50.0), percentile(&r.lat.samples_ms, 99.0));
+    let one_worker = r.in_server[0].events_per_s;
+    let (best_rate, best_processes) = r
+        .baseline
+        .iter()
+        .max_by(|a, b| a.events_per_s.total_cmp(&b.events_per_s))
+        .map(|d| (d.events_per_s, d.relays))
+        .unwrap_or((f64::NAN, 0));
+    let running_over_paused = r.tps_on.ratio() / r.tps_off.ratio();
+    let wal_outbox = r.wal.outbox.total() as f64 / r.wal.events as f64;
+    let wal_seeds = r.wal.seeds.total() as f64 / r.wal.events as f64;
+    let max_pending = r.tps_on.pending_after.iter().copied().max().unwrap_or(0);
+    vec![
+        Target {
+            figure: "Enqueue ratio, relay paused: TPS of INSERT payment + `outbox_enqueue` ÷ TPS of INSERT payment + \
+                     INSERT into the seeds' outbox table"
+                .into(),
+            result: format!(
+                "{:.1}% ({} / {} tps)",
+                100.0 * r.tps_off.ratio(),
+                grouped(r.tps_off.outbox),
+                grouped(r.tps_off.plain)
+            ),
+            target: "≥ 95%",
+            met: Some(r.tps_off.ratio() >= 0.95),
+        },
+        Target {
+            figure: "Enqueue ratio, relay running and keeping up".into(),
+            result: format!(
+                "{:.1}% ({} / {} tps; at most {} pending after a run)",
+                100.0 * r.tps_on.ratio(),
+                grouped(r.tps_on.outbox),
+                grouped(r.tps_on.plain),
+                grouped(max_pending as f64)
+            ),
+            target: "see next row",
+            met: None,
+        },
+        Target {
+            figure: "Enqueue ratio, running ÷ paused".into(),
+            result: format!("{running_over_paused:.2}"),
+            target: "≥ 0.90",
+            met: Some(running_over_paused >= 0.90),
+        },
+        Target {
+            figure: format!(
+                "Drain, {} pending events over 10,000 aggregates, 1 worker",
+                grouped(r.drain_events as f64)
+            ),
+            result: format!("{} events/s", grouped(one_worker)),
+            target: "≥ 100,000 events/s",
+            met: Some(one_worker >= 100_000.0),
+        },
+        Target {
+            figure: format!(
+                "Drain, 1 worker ÷ best external relay of the seeds' design ({}, {} events/s)",
+                plural(best_processes, "process"),
+                grouped(best_rate)
+            ),
+            result: format!("{:.2}×", one_worker / best_rate),
+            target: "≥ 3×",
+            met: Some(one_worker / best_rate >= 3.0),
+        },
+        Target {
+            figure: "Drain of a one-aggregate backlog ÷ the 10,000-aggregate one (1 worker)".into(),
+            result: format!(
+                "{:.2}× ({} events/s)",
+                r.one_aggregate.events_per_s / one_worker,
+                grouped(r.one_aggregate.events_per_s)
+            ),
+            target: "≥ 0.5×",
+            met: Some(r.one_aggregate.events_per_s / one_worker >= 0.5),
+        },
+        Target {
+            figure: "Latency p50, commit acknowledged → entry in Redis, 1,000 events/s".into(),
+            result: format!("{p50:.2} ms"),
+            target: "≤ 2 ms",
+            met: Some(p50 <= 2.0),
+        },
+        Target {
+            figure: "Latency p99, same run".into(),
+            result: format!("{p99:.2} ms"),
+            target: "≤ 15 ms",
+            met: Some(p99 <= 15.0),
+        },
+        Target {
+            figure: "WAL per event over enqueue + relay + retention, outbox_pg ÷ the seeds' path".into(),
+            result: format!(
+                "{:.2}× ({} B against {} B)",
+                wal_outbox / wal_seeds,
+                grouped(wal_outbox),
+                grouped(wal_seeds)
+            ),
+            target: "≤ 1.5×",
+            met: Some(wal_outbox / wal_seeds <= 1.5),
+        },
+    ]
+}
+
+fn drain_json(drain: &Drain, unit: &str) -> serde_json::Value {
+    let mut value = serde_json::json!({
+        "events_per_s": drain.events_per_s,
+        "cpu_us_per_event": drain.cpu_us_per_event,
+        "dead_tuples": drain.dead_tuples,
+        "total_bytes": drain.total_bytes,
+    });
+    value[unit] = serde_json::json!(drain.relays);
+    if let Some(client) = drain.client_cpu_us_per_event {
+        value["client_process_cpu_us_per_event"] = serde_json::json!(client);
+        value["backend_cpu_us_per_event"] = serde_json::json!(drain.cpu_us_per_event - client);
+    }
+    value
+}
+
+fn tps_json(tps: &Tps) -> serde_json::Value {
+    serde_json::json!({"plain_insert": tps.plain, "outbox_enqueue": tps.outbox, "ratio": tps.ratio(),
+                       "plain_insert_runs": tps.plain_runs, "outbox_enqueue_runs": tps.outbox_runs,
+                       "pending_after_outbox_runs": tps.pending_after})
+}
+
+fn wal_json(path: &WalPath, events: i64) -> serde_json::Value {
+    serde_json::json!({"enqueue_bytes": path.enqueue, "relay_bytes": path.relay, "retention_bytes": path.retention,
+                       "total_bytes": path.total(), "bytes_per_event": path.total() as f64 / events as f64,
+                       "enqueue_bytes_per_event": path.enqueue as f64 / events as f64})
+}
+
+fn write_report(args: &Args, r: &Results) -> Result<()> {
     std::fs::create_dir_all(&args.out)?;
+    let lat = &r.lat;
     let (p50, p90, p99, max) = (
         percentile(&lat.samples_ms, 50.0),
         percentile(&lat.samples_ms, 90.0),
         percentile(&lat.samples_ms, 99.0),
         lat.samples_ms.last().copied().unwrap_or(f64::NAN),
     );
-    let best_baseline = baseline.iter().map(|(_, r)| *r).fold(0.0, f64::max);
-    let one_worker = in_server.first().map(|(_, r)| *r).unwrap_or(0.0);
+    let best_baseline = r.baseline.iter().map(|d| d.events_per_s).fold(0.0, f64::max);
+    let one_worker = r.in_server[0].events_per_s;
+    let targets = targets(r);
+    let per_event = |bytes: i64| bytes as f64 / r.wal.events as f64;
     let json = serde_json::json!({
-        "machine": machine,
+        "command": r.command,
+        "machine": r.machine,
+        "quick": args.quick,
+        "batch_size": args.batch,
+        "targets": targets.iter().map(|t| serde_json::json!({"figure": t.figure, "result": t.result, "target": t.target, "met": t.met}))
+            .collect::<Vec<_>>(),
         "latency": {"rate_per_s": lat.rate, "seconds": lat.seconds, "samples": lat.samples_ms.len(), "missing": lat.missing,
                     "p50_ms": p50, "p90_ms": p90, "p99_ms": p99, "max_ms": max},
-        "drain_in_server": in_server.iter().map(|(w, r)| serde_json::json!({"workers": w, "events_per_s": r})).collect::<Vec<_>>(),
-        "drain_external_relay": baseline.iter().map(|(p, r)| serde_json::json!({"processes": p, "events_per_s": r})).collect::<Vec<_>>(),
-        "drain_ratio_one_worker_vs_best_external": one_worker / best_baseline,
-        "drain_one_aggregate": {"in_server_one_worker": one_aggregate.0, "external_one_process": one_aggregate.1},
-        "enqueue_tps": {"relay_off": {"plain_insert": tps_off.plain, "outbox_enqueue": tps_off.outbox, "ratio": tps_off.outbox / tps_off.plain},
-                        "relay_on": {"plain_insert": tps_on.plain, "outbox_enqueue": tps_on.outbox, "ratio": tps_on.outbox / tps_on.plain}},
-        "idle": {"seconds": idle.seconds, "relay_cpu_ms": idle.cpu_ms, "transactions": idle.transactions, "poll_interval": idle.poll_interval},
-        "batch_size": args.batch,
-        "quick": args.quick,
+        "drain": {
+            "events": r.drain_events,
+            "aggregates": 10_000,
+            "in_server": r.in_server.iter().map(|d| drain_json(d, "workers")).collect::<Vec<_>>(),
+            "external_relay": r.baseline.iter().map(|d| drain_json(d, "processes")).collect::<Vec<_>>(),
+            "ratio_one_worker_vs_best_external": one_worker / best_baseline,
+            "one_aggregate": {
+                "in_server_one_worker": drain_json(&r.one_aggregate, "workers"),
+                "external_one_process": drain_json(&r.one_aggregate_baseline, "processes"),
+                "ratio_vs_10000_aggregates": r.one_aggregate.events_per_s / one_worker,
+            },
+        },
+        "enqueue_tps": {"relay_off": tps_json(&r.tps_off), "relay_on": tps_json(&r.tps_on),
+                        "running_over_paused": r.tps_on.ratio() / r.tps_off.ratio()},
+        "wal": {"events": r.wal.events, "aggregates": r.wal.aggregates, "events_per_transaction": r.wal.per_transaction,
+                "outbox_pg": wal_json(&r.wal.outbox, r.wal.events), "seeds": wal_json(&r.wal.seeds, r.wal.events),
+                "ratio": per_event(r.wal.outbox.total()) / per_event(r.wal.seeds.total()),
+                "plain_insert_bytes_per_event": per_event(r.wal.seeds.enqueue)},
+        "idle": {"seconds": r.idle.seconds, "relay_cpu_ms": r.idle.cpu_ms, "transactions": r.idle.transactions,
+                 "poll_interval": r.idle.poll_interval},
     });
     std::fs::write(format!("{}/results.json", args.out), serde_json::to_string_pretty(&json)?)?;
     std::fs::write(format!("{}/latency.svg", args.out), histogram_svg(&lat.samples_ms))?;
-    let mut md = String::new();
-    md.push_str(&format!("# outbox_pg benchmark\n\nMachine: {machine}.\n\n"));
+
+    let mut md = format!("# outbox_pg benchmark\n\nMade with `{}`.\n\nMachine: {}.\n\n", r.command, r.machine);
+    if args.quick {
+        md.push_str(
+            "**Quick run**: smaller backlogs and shorter runs than the targets are defined for; a smoke test, \
+             not the figures.\n\n",
+        );
+    }
+    md.push_str("## Targets (issue 12)\n\n| figure | result | target | met? |\n|---|---|---|---|\n");
+    for t in &targets {
+        let met = match t.met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "—",
+        };
+        md.push_str(&format!("| {} | {} | {} | {met} |\n", t.figure, t.result, t.target));
+    }
     md.push_str(&format!(
-        "## Latency: commit acknowledged → entry readable in Redis\n\n{} events/s for {} s from 4 producer connections \
+        "\n## Latency: commit acknowledged → entry readable in Redis\n\n{} events/s for {} s from 4 producer connections \
          (each transaction: INSERT a payment + `outbox_enqueue`), a reader blocked on XREAD.\n\n\
          | samples | missing | p50 | p90 | p99 | max |\n|---|---|---|---|---|---|\n| {} | {} | {:.2} ms | {:.2} ms | {:.2} ms | {:.2} ms |\n\n\
          ![latency histogram](latency.svg)\n\n",
@@ -760,42 +1273,132 @@ fn write_report(
         p99,
         max
     ));
+
+    let row =
+        |drains: &[Drain], cell: &dyn Fn(&Drain) -> String| drains.iter().map(cell).collect::<Vec<_>>().join(" | ");
     md.push_str(&format!(
-        "## Drain: {} pending events (10,000 aggregates), batch size {}\n\n| relay | 1 | 2 | 4 |\n|---|---|---|---|\n",
-        if args.quick { "20,000" } else { "100,000" },
+        "## Drain: {} pending events over 10,000 aggregates, batch size {}\n\n\
+         outbox_pg: its relay workers, enabled by a reload. External relay: the seeds' design, tuned \
+         (`outbox-bench baseline-relay`): its own table `bench_seed_outbox` (primary key and one pending index), \
+         the same backlog inserted in transactions of 1,000; claim = `UPDATE … SET status = 'publishing' WHERE id IN \
+         (SELECT id … WHERE status = 'pending' ORDER BY id LIMIT 1000 FOR UPDATE SKIP LOCKED) RETURNING …`, the batch \
+         XADDed in one pipeline with the same fields as outbox_pg's entries, then one bulk `UPDATE … SET status = \
+         'published', published_at = now() WHERE id = ANY(…)`. Throughput: until the stream holds every event. CPU: \
+         `/proc/<pid>/stat` (user + system) from start until every event is settled, of the relay workers for \
+         outbox_pg, of the external process plus its PostgreSQL backend for the external relay.\n\n\
+         | | 1 | 2 | 4 |\n|---|---|---|---|\n",
+        grouped(r.drain_events as f64),
         args.batch
     ));
+    md.push_str(&format!("| outbox_pg, workers: events/s | {} |\n", row(&r.in_server, &|d| grouped(d.events_per_s))));
     md.push_str(&format!(
-        "| outbox_pg (workers, events/s) | {} |\n",
-        in_server.iter().map(|(_, r)| format!("{r:.0}")).collect::<Vec<_>>().join(" | ")
+        "| outbox_pg, relay CPU per event | {} |\n",
+        row(&r.in_server, &|d| format!("{:.1} µs", d.cpu_us_per_event))
     ));
     md.push_str(&format!(
-        "| external relay (processes, events/s) | {} |\n\n",
-        baseline.iter().map(|(_, r)| format!("{r:.0}")).collect::<Vec<_>>().join(" | ")
+        "| external relay, processes: events/s | {} |\n",
+        row(&r.baseline, &|d| grouped(d.events_per_s))
     ));
     md.push_str(&format!(
-        "One outbox_pg worker vs the best external configuration: **{:.2}×**.\n\n",
-        one_worker / best_baseline
+        "| external relay, CPU per event (backend + process) | {} |\n\n",
+        row(&r.baseline, &|d| format!(
+            "{:.1} µs ({:.1} + {:.1})",
+            d.cpu_us_per_event,
+            d.cpu_us_per_event - d.client_cpu_us_per_event.unwrap_or(0.0),
+            d.client_cpu_us_per_event.unwrap_or(0.0)
+        ))
     ));
     md.push_str(&format!(
-        "The same backlog for **one aggregate** (every event waits for the one before it): outbox_pg, 1 worker: \
-         {:.0} events/s; external relay, 1 process: {:.0} events/s.\n\n",
-        one_aggregate.0, one_aggregate.1
+        "One outbox_pg worker ÷ the best external configuration: **{:.2}×**; ÷ one external process: {:.2}×.\n\n",
+        one_worker / best_baseline,
+        one_worker / r.baseline[0].events_per_s
     ));
     md.push_str(&format!(
-        "## Enqueue cost (pgbench, 4 clients, median of 3 alternating runs)\n\n\
+        "The same backlog for **one aggregate** (every event waits for the one before it in outbox_pg; the \
+         seeds' design keeps no order): outbox_pg, 1 worker: {} events/s ({:.2}× the 10,000-aggregate figure, relay \
+         CPU {:.1} µs/event); external relay, 1 process: {} events/s.\n\n",
+        grouped(r.one_aggregate.events_per_s),
+        r.one_aggregate.events_per_s / one_worker,
+        r.one_aggregate.cpu_us_per_event,
+        grouped(r.one_aggregate_baseline.events_per_s)
+    ));
+    md.push_str(
+        "Each drain's table 2.5 s after it was settled (`pg_stat_get_dead_tuples`, `pg_total_relation_size` after \
+         `pg_stat_clear_snapshot()`; autovacuum may have run):\n\n| drain | table | dead tuples | total size |\n|---|---|---|---|\n",
+    );
+    let mut table_row = |label: String, table: &str, d: &Drain| {
+        md.push_str(&format!(
+            "| {label} | `{table}` | {} | {:.1} MB |\n",
+            grouped(d.dead_tuples as f64),
+            d.total_bytes as f64 / 1_048_576.0
+        ))
+    };
+    for d in &r.in_server {
+        table_row(format!("outbox_pg, {}", plural(d.relays, "worker")), "outbox.messages", d);
+    }
+    table_row("outbox_pg, one aggregate, 1 worker".into(), "outbox.messages", &r.one_aggregate);
+    for d in &r.baseline {
+        table_row(format!("external relay, {}", plural(d.relays, "process")), "bench_seed_outbox", d);
+    }
+    table_row("external relay, one aggregate, 1 process".into(), "bench_seed_outbox", &r.one_aggregate_baseline);
+
+    md.push_str(&format!(
+        "\n## Enqueue cost (pgbench, 4 clients, median of 3 alternating runs)\n\n\
+         Both transactions INSERT a payment row; then `outbox_enqueue(…)`, or a plain INSERT into `bench_seed_outbox`, \
+         the seeds' outbox table. Both tables start empty.\n\n\
          | | INSERT + plain INSERT | INSERT + outbox_enqueue | ratio |\n|---|---|---|---|\n\
-         | relay paused | {:.0} tps | {:.0} tps | **{:.1}%** |\n| relay running | {:.0} tps | {:.0} tps | **{:.1}%** |\n\n",
-        tps_off.plain,
-        tps_off.outbox,
-        100.0 * tps_off.outbox / tps_off.plain,
-        tps_on.plain,
-        tps_on.outbox,
-        100.0 * tps_on.outbox / tps_on.plain
+         | relay paused (`outbox.enabled = off`) | {} tps | {} tps | **{:.1}%** |\n\
+         | relay running | {} tps | {} tps | **{:.1}%** |\n\n\
+         Running ÷ paused: **{:.2}**. Runs, plain / outbox_enqueue: paused {} / {}; running {} / {}. Events pending \
+         right after each running outbox_enqueue run: {}.\n\n",
+        grouped(r.tps_off.plain),
+        grouped(r.tps_off.outbox),
+        100.0 * r.tps_off.ratio(),
+        grouped(r.tps_on.plain),
+        grouped(r.tps_on.outbox),
+        100.0 * r.tps_on.ratio(),
+        r.tps_on.ratio() / r.tps_off.ratio(),
+        r.tps_off.plain_runs.iter().map(|t| grouped(*t)).collect::<Vec<_>>().join(", "),
+        r.tps_off.outbox_runs.iter().map(|t| grouped(*t)).collect::<Vec<_>>().join(", "),
+        r.tps_on.plain_runs.iter().map(|t| grouped(*t)).collect::<Vec<_>>().join(", "),
+        r.tps_on.outbox_runs.iter().map(|t| grouped(*t)).collect::<Vec<_>>().join(", "),
+        r.tps_on.pending_after.iter().map(|n| grouped(*n as f64)).collect::<Vec<_>>().join(", ")
+    ));
+
+    let wal = &r.wal;
+    let wal_row = |label: &str, path: &WalPath| {
+        format!(
+            "| {label} | {:.0} | {:.0} | {:.0} | **{:.0}** |\n",
+            per_event(path.enqueue),
+            per_event(path.relay),
+            per_event(path.retention),
+            per_event(path.total())
+        )
+    };
+    md.push_str(&format!(
+        "## WAL per event: enqueue + relay + retention\n\n\
+         {} events over {} aggregates, {} per transaction, the same events for both paths, one after the other with \
+         nothing else writing (autovacuum off for the measurement). Each path: `CHECKPOINT`, then the WAL insert \
+         position (`pg_current_wal_insert_lsn()`) after each phase. outbox_pg: `outbox_enqueue` with the relay \
+         paused; the relay (1 worker) enabled until everything is settled; `outbox.purge('0')`. Seeds' path: \
+         plain INSERTs into `bench_seed_outbox`; the external relay (1 process) until it exits; \
+         `DELETE FROM bench_seed_outbox WHERE status = 'published'`.\n\n\
+         | bytes per event | enqueue | relay | retention | total |\n|---|---|---|---|---|\n{}{}\n\
+         outbox_pg ÷ seeds' path: **{:.2}×**. The plain INSERT alone (the seeds' enqueue): {:.0} bytes per event; \
+         `outbox_enqueue` alone: {:.0} ({:.2}×).\n\n",
+        grouped(wal.events as f64),
+        grouped(wal.aggregates as f64),
+        wal.per_transaction,
+        wal_row("outbox_pg", &wal.outbox),
+        wal_row("seeds' path", &wal.seeds),
+        per_event(wal.outbox.total()) / per_event(wal.seeds.total()),
+        per_event(wal.seeds.enqueue),
+        per_event(wal.outbox.enqueue),
+        wal.outbox.enqueue as f64 / wal.seeds.enqueue as f64
     ));
     md.push_str(&format!(
         "## Idle\n\nOver {} s with nothing to publish (poll interval {}): relay CPU {:.1} ms, {} transactions in the database.\n",
-        idle.seconds, idle.poll_interval, idle.cpu_ms, idle.transactions
+        r.idle.seconds, r.idle.poll_interval, r.idle.cpu_ms, r.idle.transactions
     ));
     std::fs::write(format!("{}/report.md", args.out), md)?;
     eprintln!("wrote {0}/report.md, {0}/results.json, {0}/latency.svg", args.out);

@@ -339,7 +339,10 @@ fn exchange(
                 // Redis could not read this command (an argument over proto-max-bulk-len, say)
                 // and closes the connection: the entry is at fault, the others were not executed.
                 let mut outcomes = vec![EntryOutcome::NotSent; count];
-                outcomes[index] = EntryOutcome::Rejected(error.to_string());
+                outcomes[index] = EntryOutcome::Rejected(format!(
+                    "Redis could not read this entry and closed the connection ({error}): an argument longer than \
+                     its proto-max-bulk-len?"
+                ));
                 return Ok(Exchanged { outcomes, connection_closed: true });
             }
             refused_at_queueing.push((index, error));
