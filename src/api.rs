@@ -1,5 +1,5 @@
 //! SQL-callable functions implemented in Rust. The public API (`outbox_enqueue`) is SQL in
-//! `src/sql/functions.sql`; these are the pieces SQL cannot do itself. All live in schema `outbox`.
+//! `src/sql/api.sql`; these are the pieces SQL cannot do itself. All live in schema `outbox`.
 
 use pgrx::prelude::*;
 
