@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the build, the tests and the demo need on a fresh Debian 12 machine:
-# Debian packages (PostgreSQL 15 server + headers, clang for bindgen, redis-server, sudo),
+# Debian packages (PostgreSQL 15 server + headers, clang for bindgen, redis-server, sudo, openssl for
+# the TLS tests),
 # the pinned cargo-pgrx, and its one-time `init` against the system PostgreSQL.
 # Idempotent: each step is skipped when already done, so it is cheap to call from every script.
 set -euo pipefail
@@ -11,7 +12,7 @@ PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
 
 need_pkgs=()
 for pkg in postgresql-$PG_MAJOR postgresql-server-dev-$PG_MAJOR libclang-dev clang pkg-config \
-           redis-server sudo ca-certificates python3; do
+           redis-server sudo ca-certificates openssl python3; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_pkgs+=("$pkg")
 done
 if [ ${#need_pkgs[@]} -gt 0 ]; then

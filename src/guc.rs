@@ -19,6 +19,13 @@ static REDIS_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::n
 /// that the password appears in no setting and no log line. Read at every (re)connect.
 static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
+/// `outbox.redis_tls_ca_file`, `outbox.redis_tls_cert_file`, `outbox.redis_tls_key_file` (default
+/// empty, reload): CA certificates to verify a `rediss://` server against (empty: the system's
+/// roots), and the client certificate and key for servers that require mutual TLS.
+static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+static REDIS_TLS_CERT_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+static REDIS_TLS_KEY_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
 /// `outbox.redis_timeout` (default 5s, reload): connect, read and write timeout towards Redis.
 static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
 
@@ -151,6 +158,32 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::SUPERUSER_ONLY,
     );
+    for (name, short, setting) in [
+        (
+            c"outbox.redis_tls_ca_file",
+            c"CA certificates (PEM) a rediss:// server's certificate must chain to; empty: the system's roots.",
+            &REDIS_TLS_CA_FILE,
+        ),
+        (
+            c"outbox.redis_tls_cert_file",
+            c"Client certificate (PEM) for Redis servers that require mutual TLS.",
+            &REDIS_TLS_CERT_FILE,
+        ),
+        (
+            c"outbox.redis_tls_key_file",
+            c"Client key (PEM) for outbox.redis_tls_cert_file; must be readable by its owner only.",
+            &REDIS_TLS_KEY_FILE,
+        ),
+    ] {
+        GucRegistry::define_string_guc(
+            name,
+            short,
+            c"Read at every connect; the server's certificate is always verified.",
+            setting,
+            GucContext::Sighup,
+            GucFlags::SUPERUSER_ONLY,
+        );
+    }
     GucRegistry::define_int_guc(
         c"outbox.redis_timeout",
         c"Connect, read and write timeout for Redis.",
@@ -328,6 +361,18 @@ pub fn redis_url() -> String {
 /// The password file path, or `None` when unset.
 pub fn redis_password_file() -> Option<String> {
     Some(string_of(&REDIS_PASSWORD_FILE)).filter(|path| !path.is_empty())
+}
+
+pub fn redis_tls_ca_file() -> Option<String> {
+    Some(string_of(&REDIS_TLS_CA_FILE)).filter(|path| !path.is_empty())
+}
+
+pub fn redis_tls_cert_file() -> Option<String> {
+    Some(string_of(&REDIS_TLS_CERT_FILE)).filter(|path| !path.is_empty())
+}
+
+pub fn redis_tls_key_file() -> Option<String> {
+    Some(string_of(&REDIS_TLS_KEY_FILE)).filter(|path| !path.is_empty())
 }
 
 pub fn redis_timeout() -> Duration {

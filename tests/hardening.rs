@@ -233,7 +233,8 @@ fn a_redis_acl_that_denies_one_key_holds_back_only_its_event_and_one_that_denies
     let redis = Redis::start();
     let mut root = redis.connection();
     redis::cmd("ACL")
-        .arg(&["SETUSER", "relay", "on", ">relay-pw", "~outbox:*", "+@all"][..])
+        // The least the relay needs (README, "Permissions"): XADD inside MULTI/EXEC, and PING.
+        .arg(&["SETUSER", "relay", "on", ">relay-pw", "~outbox:*", "-@all", "+multi", "+exec", "+xadd", "+ping"][..])
         .query::<()>(&mut root)
         .unwrap();
     let pw = password_file("acl", "relay-pw");

@@ -16,6 +16,24 @@ pub struct RedisConfig {
     pub url: String,
     pub password_file: Option<String>,
     pub timeout: Duration,
+    pub tls: TlsFiles,
+}
+
+/// `outbox.redis_tls_*`: where the certificates for a `rediss://` connection are. Read at every
+/// (re)connect, so that rotated files take effect at the next connection.
+#[derive(Clone, Default, PartialEq, Eq, Debug)]
+pub struct TlsFiles {
+    /// CA certificates (PEM) the server's certificate must chain to; `None`: the system's roots.
+    pub ca_file: Option<String>,
+    /// Client certificate and key (PEM) for servers that require them (mutual TLS).
+    pub cert_file: Option<String>,
+    pub key_file: Option<String>,
+}
+
+impl TlsFiles {
+    fn any(&self) -> bool {
+        self.ca_file.is_some() || self.cert_file.is_some() || self.key_file.is_some()
+    }
 }
 
 /// Redis as a whole is unusable: unreachable, timing out, out of memory, loading, read-only,
@@ -452,11 +470,24 @@ fn describe_error(error: &redis::RedisError) -> String {
 
 fn connect(config: &RedisConfig) -> Result<redis::Connection, BrokerError> {
     let info = connection_info(config)?;
-    if matches!(info.addr(), ConnectionAddr::TcpTls { .. }) {
+    let tls = matches!(info.addr(), ConnectionAddr::TcpTls { .. });
+    if tls {
         // rustls needs a process-wide crypto provider; installing it twice is harmless.
         let _ = rustls::crypto::ring::default_provider().install_default();
     }
-    let client = redis::Client::open(info).map_err(|e| BrokerError(describe_error(&e)))?;
+    let client = if tls && config.tls.any() {
+        redis::Client::build_with_tls(info, tls_certificates(&config.tls)?)
+    } else if config.tls.any() {
+        // Certificates for a plain connection: better refuse than send in the clear what the
+        // operator meant to protect.
+        return Err(BrokerError(
+            "outbox.redis_tls_ca_file, _cert_file or _key_file is set but outbox.redis_url is not a rediss:// URL"
+                .into(),
+        ));
+    } else {
+        redis::Client::open(info)
+    }
+    .map_err(|e| BrokerError(describe_error(&e)))?;
     let connection = client.get_connection_with_timeout(config.timeout).map_err(|e| BrokerError(describe_error(&e)))?;
     connection
         .set_read_timeout(Some(config.timeout))
@@ -487,16 +518,51 @@ pub fn connection_info(config: &RedisConfig) -> Result<ConnectionInfo, BrokerErr
     }
 }
 
+/// Reads the certificates named by `outbox.redis_tls_*`. The server's certificate is verified
+/// against `ca_file` (or the system's roots) and the host name or address in the URL, always: there
+/// is no setting that turns verification off.
+fn tls_certificates(files: &TlsFiles) -> Result<redis::TlsCertificates, BrokerError> {
+    let read = |setting: &str, path: &str| {
+        fs::read(path).map_err(|e| BrokerError(format!("cannot read {setting} \"{path}\": {e}")))
+    };
+    let root_cert = match &files.ca_file {
+        Some(path) => Some(read("outbox.redis_tls_ca_file", path)?),
+        None => None,
+    };
+    let client_tls = match (&files.cert_file, &files.key_file) {
+        (Some(cert), Some(key)) => {
+            // The key is a secret, kept like the password file: owner-only.
+            private_file("outbox.redis_tls_key_file", key)?;
+            Some(redis::ClientTlsConfig {
+                client_cert: read("outbox.redis_tls_cert_file", cert)?,
+                client_key: read("outbox.redis_tls_key_file", key)?,
+            })
+        }
+        (None, None) => None,
+        _ => {
+            return Err(BrokerError(
+                "outbox.redis_tls_cert_file and outbox.redis_tls_key_file must be set together".into(),
+            ))
+        }
+    };
+    Ok(redis::TlsCertificates { client_tls, root_cert })
+}
+
+/// Refuses a secret file that its group or others may access (as libpq does for `.pgpass`).
+fn private_file(setting: &str, path: &str) -> Result<(), BrokerError> {
+    let metadata = fs::metadata(path).map_err(|e| BrokerError(format!("cannot read {setting} \"{path}\": {e}")))?;
+    if metadata.mode() & 0o077 != 0 {
+        return Err(BrokerError(format!(
+            "{setting} \"{path}\" has group or world access; it must be readable by its owner only (chmod 600)"
+        )));
+    }
+    Ok(())
+}
+
 /// Reads the password from a file that only the server's OS user may read (like libpq's
 /// `.pgpass`, a group- or world-accessible file is refused). Trailing newlines are ignored.
 pub fn read_password_file(path: &str) -> Result<String, BrokerError> {
-    let metadata = fs::metadata(path)
-        .map_err(|e| BrokerError(format!("cannot read outbox.redis_password_file \"{path}\": {e}")))?;
-    if metadata.mode() & 0o077 != 0 {
-        return Err(BrokerError(format!(
-            "outbox.redis_password_file \"{path}\" has group or world access; it must be readable by its owner only (chmod 600)"
-        )));
-    }
+    private_file("outbox.redis_password_file", path)?;
     let contents = fs::read_to_string(path)
         .map_err(|e| BrokerError(format!("cannot read outbox.redis_password_file \"{path}\": {e}")))?;
     let password = contents.trim_end_matches(['\r', '\n']);
@@ -643,7 +709,12 @@ mod tests {
 
     #[test]
     fn bad_urls_are_reported_without_the_secret() {
-        let config = |url: &str| RedisConfig { url: url.into(), password_file: None, timeout: Duration::from_secs(1) };
+        let config = |url: &str| RedisConfig {
+            url: url.into(),
+            password_file: None,
+            timeout: Duration::from_secs(1),
+            tls: TlsFiles::default(),
+        };
         for url in ["", "http://x", "redis://:s3cret@[bad"] {
             let Err(err) = connection_info(&config(url)) else { panic!("accepted {url}") };
             assert!(!err.0.contains("s3cret"), "{err}");
@@ -667,6 +738,7 @@ mod tests {
             url: "redis://:inurl@127.0.0.1:1".into(),
             password_file: Some(path_str.into()),
             timeout: Duration::from_secs(1),
+            tls: TlsFiles::default(),
         };
         assert_eq!(connection_info(&config).unwrap().redis_settings().password(), Some("hunter2"));
         fs::remove_dir_all(&dir).unwrap();

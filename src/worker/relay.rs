@@ -12,7 +12,7 @@ use pgrx::prelude::*;
 use crate::claims;
 use crate::guc::{self, FaultInjection};
 use crate::shmem;
-use crate::sink::redis::{RedisConfig, RedisSink};
+use crate::sink::redis::{RedisConfig, RedisSink, TlsFiles};
 use crate::worker::backoff::Backoff;
 use crate::worker::tick::{self, RoundTimings, TickOutcome, TickSettings};
 
@@ -440,7 +440,16 @@ fn lease_problem(lease: Duration, redis_timeout: Duration) -> Option<String> {
 }
 
 fn redis_config() -> RedisConfig {
-    RedisConfig { url: guc::redis_url(), password_file: guc::redis_password_file(), timeout: guc::redis_timeout() }
+    RedisConfig {
+        url: guc::redis_url(),
+        password_file: guc::redis_password_file(),
+        timeout: guc::redis_timeout(),
+        tls: TlsFiles {
+            ca_file: guc::redis_tls_ca_file(),
+            cert_file: guc::redis_tls_cert_file(),
+            key_file: guc::redis_tls_key_file(),
+        },
+    }
 }
 
 fn seed() -> u64 {
