@@ -23,7 +23,7 @@ mod outbox {
     /// stream is not one `outbox.allowed_streams` permits; arms the commit-time wake-up; returns
     /// `outbox.max_payload_size` in bytes.
     #[pg_extern(volatile, parallel_unsafe, name = "_prepare_enqueue")]
-    fn prepare_enqueue(aggregate_type: &str, event_type: &str, stream: Option<&str>) -> i32 {
+    fn prepare_enqueue(aggregate_type: &str, aggregate_id: &str, event_type: &str, stream: Option<&str>) -> i32 {
         if !crate::preloaded() {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -49,17 +49,23 @@ mod outbox {
             .report(PgLogLevel::ERROR);
         }
         let patterns = guc::allowed_streams();
-        if crate::streams::allows_every_stream(&patterns) {
-            // The default: nothing to render or match on every enqueue.
-            wake::arm();
-            return guc::max_payload_size();
+        if !crate::streams::allows_every_stream(&patterns) {
+            check_stream(&patterns, aggregate_type, event_type, stream);
         }
+        // Last, right before the caller draws the event's id: see src/order.rs.
+        crate::order::lock_aggregate(aggregate_type, aggregate_id);
+        wake::arm();
+        guc::max_payload_size()
+    }
+
+    /// Refuses a stream (given, or from the template) that `outbox.allowed_streams` does not allow.
+    fn check_stream(patterns: &str, aggregate_type: &str, event_type: &str, stream: Option<&str>) {
         let template = guc::stream_template();
         let key = match stream {
             Some(stream) => stream.to_string(),
             None => crate::render_stream_template(&template, aggregate_type, event_type),
         };
-        if !crate::streams::allowed(&patterns, &key) {
+        if !crate::streams::allowed(patterns, &key) {
             let source = if stream.is_some() {
                 "the stream argument".to_string()
             } else {
@@ -78,15 +84,18 @@ mod outbox {
             ))
             .report(PgLogLevel::ERROR);
         }
-        wake::arm();
-        guc::max_payload_size()
     }
 
-    /// Takes the claim lock until the end of the transaction (see src/claims.rs): `_claim_batch`
-    /// calls it. Not for applications: EXECUTE is revoked from PUBLIC.
-    #[pg_extern(volatile, parallel_unsafe, name = "_lock_for_claim")]
-    fn lock_for_claim() {
-        claims::lock_for_claim_in_session();
+    /// Whether a transaction is enqueuing for this aggregate right now (src/order.rs).
+    #[pg_extern(volatile, parallel_unsafe, name = "_enqueue_in_progress")]
+    fn enqueue_in_progress(aggregate_type: &str, aggregate_id: &str) -> bool {
+        crate::order::enqueue_in_progress(aggregate_type, aggregate_id)
+    }
+
+    /// The shard (0..15) of an aggregate: which relay's unit of work its events belong to.
+    #[pg_extern(immutable, parallel_safe, name = "_shard_of")]
+    fn shard_of(aggregate_type: &str, aggregate_id: &str) -> i16 {
+        crate::order::shard_of(aggregate_type, aggregate_id)
     }
 
     /// The role the caller acts as, outside any SECURITY DEFINER function: inside one (such as
@@ -135,22 +144,9 @@ mod outbox {
         crate::preloaded() && shmem::relays_serve_this_database() && shmem::redis_connected()
     }
 
-    /// Ids of the events relays have claimed (in shared memory) and not settled yet, claims older
-    /// than `outbox.lease` left out. `outbox._claim_batch` skips them; call it holding the claim
-    /// lock, as that function does.
-    #[pg_extern(volatile, parallel_unsafe, name = "_relay_claims")]
-    fn relay_claims() -> Vec<i64> {
-        if !crate::preloaded() {
-            return Vec::new();
-        }
-        let mut ids: Vec<i64> = claims::in_flight_elsewhere(None, guc::lease()).into_iter().collect();
-        ids.sort_unstable();
-        ids
-    }
-
-    /// One row per running relay: its slot, pid, and the claim it holds in shared memory (events
-    /// it is publishing right now; `claim_expired` once older than `outbox.lease`, when other
-    /// relays publish them again). A relay whose claim stays old is hung.
+    /// One row per running relay: its slot, pid, and the round it has in flight (events it is
+    /// publishing right now, since when; `claim_expired` once older than `outbox.lease`, when other
+    /// relays take its shards over and publish them again). A relay whose round stays old is hung.
     #[allow(clippy::type_complexity)] // the column list of a set-returning SQL function
     #[pg_extern(volatile, parallel_safe)]
     fn relays() -> TableIterator<

@@ -5,7 +5,8 @@
 //! - `guc`: every `outbox.*` setting.
 //! - `api`: SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
 //! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
-//! - `claims`: the relays' claims, held in shared memory rather than written to the table.
+//! - `order`: the shard of an aggregate, and the order lock that makes id order commit order.
+//! - `claims`: what each relay has in flight (shared memory), for the stats.
 //! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
 //! - `dropdb`: relays step aside when their database is dropped.
 //! - `logredact`: Redis credentials masked in every server log line.
@@ -23,6 +24,7 @@ mod dropdb;
 mod entry;
 mod guc;
 mod logredact;
+mod order;
 mod shmem;
 mod sink;
 mod streams;

@@ -29,16 +29,18 @@ pub fn arm() {
 /// an error here (after commit) would take the whole cluster down.
 unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: *mut std::ffi::c_void) {
     match event {
-        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT
-            if ENQUEUED_IN_XACT.with(|armed| armed.replace(false)) =>
-        {
-            shmem::wake_relays()
+        pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
+            crate::order::transaction_ended();
+            if ENQUEUED_IN_XACT.with(|armed| armed.replace(false)) {
+                shmem::wake_relays()
+            }
         }
         // A prepared transaction commits later, possibly in another session that wakes nobody:
         // the poll interval delivers those events.
         pg_sys::XactEvent::XACT_EVENT_ABORT
         | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
         | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
+            crate::order::transaction_ended();
             ENQUEUED_IN_XACT.with(|armed| armed.set(false));
         }
         _ => {}

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use postgres::error::SqlState;
 
 use common::{
-    check_invariants, enqueue_recorded, status_counts, wait_drained, wait_for, Cluster, Env, Expect, LedgerEvent,
-    Producers, Redis, Rng, SharedLedger, Workload, DEADLINE,
+    check_invariants, enqueue_recorded, status_counts, wait_drained, wait_for, wait_for_failed_rounds, Cluster, Env,
+    Expect, LedgerEvent, Producers, Redis, Rng, SharedLedger, Workload, DEADLINE,
 };
 
 fn heavy() -> bool {
@@ -302,19 +302,13 @@ fn redis_out_of_memory_keeps_events_pending_without_dead_letters() {
     assert!(env.redis.used_memory() > 1 << 20);
     let oom_at = count(&mut client, "SELECT coalesce(max(id), 0) FROM outbox.messages");
     // Twice max_attempts rounds against OOM and more, with producers still committing.
-    wait_for(DEADLINE, "events to go through several OOM rounds", || {
-        let row = client
-            .query_one(
-                "SELECT count(*) FILTER (WHERE attempts > 4 AND last_error LIKE '%OOM%'),
-                        count(*) FILTER (WHERE status = 'published')
-                   FROM outbox.messages WHERE id > $1",
-                &[&oom_at],
-            )
-            .unwrap();
-        let (retried, published): (i64, i64) = (row.get(0), row.get(1));
-        assert_eq!(published, 0, "an event enqueued after the OOM began was published");
-        (retried > 0).then_some(())
-    });
+    let error = wait_for_failed_rounds(&mut client, 5, "several rounds against OOM");
+    assert!(error.contains("OOM"), "{error}");
+    let published = count(
+        &mut client,
+        &format!("SELECT count(*) FROM outbox.messages WHERE id > {oom_at} AND status = 'published'"),
+    );
+    assert_eq!(published, 0, "an event enqueued after the OOM began was published");
     producers.wait_for_commits(20);
     let row = client
         .query_one(
@@ -386,19 +380,14 @@ fn redis_flapping_at_its_memory_limit_keeps_per_aggregate_order() {
         })
     };
     env.pg.set(&mut client, &[("outbox.enabled", "on")]);
-    // Every settled attempt counts: wait for a few rounds beyond the first.
-    let oom_rounds = wait_for(DEADLINE, "the relay to run into OOM several times", || {
-        let retried = count(
-            &mut client,
-            "SELECT (sum(attempts) - count(*) FILTER (WHERE attempts > 0))::bigint FROM outbox.messages",
-        );
-        (retried >= scale(1_000, 1_500) as i64).then_some(retried)
-    });
+    // Wait for many rounds that ran into OOM.
+    let oom_rounds = scale(5, 10);
+    wait_for_failed_rounds(&mut client, oom_rounds, "the relay to run into OOM several times");
     stop.store(true, Ordering::SeqCst);
     let flips = flapper.join().unwrap();
     producers.wait_for_commits(20);
     producers.stop();
-    eprintln!("maxmemory flipped {flips} times; {oom_rounds} claims were retried");
+    eprintln!("maxmemory flipped {flips} times; at least {oom_rounds} rounds ran into OOM");
     check_invariants("Redis OOM flapping", &env.pg, &env.redis, &ledger, Expect { duplicates: false });
 }
 
@@ -510,8 +499,8 @@ fn failover_to_a_synchronous_standby_while_the_primary_relay_is_mid_drain() {
     let mut replica = standby.connect();
     assert_no_outbox_workers(&mut replica);
     let pending = count(&mut replica, "SELECT count(*) FROM outbox.messages WHERE status = 'pending'");
-    let claimed = count(&mut replica, "SELECT count(*) FROM outbox.messages WHERE status = 'publishing'");
-    assert_eq!(claimed, 0, "relays claim in shared memory, never in the table");
+    let claimed = count(&mut replica, "SELECT count(*) FROM outbox.shards WHERE claimed_by IS NOT NULL");
+    eprintln!("shards held by the old primary's relay, on the standby: {claimed} (taken over after promotion)");
     drop(replica);
     standby.promote();
     producers.stop();
@@ -829,12 +818,12 @@ fn bad_input_is_refused_and_leaves_the_relay_working() {
         "SELECT outbox_enqueue('bad', 1::bigint, 'e', '{}')",
         "SELECT outbox_enqueue('bad', gen_random_uuid(), 'e', '{}')",
         "SELECT * FROM outbox.messages",
-        "SELECT * FROM outbox._claim_batch(10)",
-        "SELECT outbox._mark_published(ARRAY[1::bigint])",
+        "SELECT * FROM outbox._claim_shards(1, 16, 1000)",
+        "SELECT outbox._advance(1, '{}', '{}', '{}', '{}', '{}')",
         "SELECT outbox.retry_failed()",
         "SELECT outbox.purge('0')",
-        "INSERT INTO outbox.messages (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload)
-         VALUES (gen_random_uuid(), 'bad', '1', 1, 'e', '{}')",
+        "INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+         VALUES (pg_current_xact_id(), 0, 1, gen_random_uuid(), 'bad', '1', 'e', '{}', now())",
     ] {
         refused(&mut intruder, sql, &[], &denied);
     }
@@ -847,8 +836,8 @@ fn bad_input_is_refused_and_leaves_the_relay_working() {
     }]);
     for sql in [
         "SELECT * FROM outbox.messages",
-        "SELECT * FROM outbox._claim_batch(10)",
-        "UPDATE outbox.messages SET status = 'published'",
+        "SELECT * FROM outbox._claim_shards(1, 16, 1000)",
+        "UPDATE outbox.shards SET cursor = cursor",
     ] {
         refused(&mut app, sql, &[], &denied);
     }
@@ -918,24 +907,16 @@ fn broken_settings_warn_once_never_crash_loop_and_recover_when_fixed() {
         assert!(warning.contains("WARNING"), "{warning}");
         assert!(!warning.contains("wrong-pw"), "the password reached the log: {warning}");
         // No crash loop: the same relay retries, with backoff, several times.
-        wait_for(DEADLINE, &format!("retries against the {what} URL"), || {
-            assert_eq!(env.pg.backend_pids(&mut client, "outbox_pg relay"), vec![relay], "the relay was replaced");
-            let retried = client
-                .query_one("SELECT min(attempts) FROM outbox.messages WHERE id >= $1", &[&first])
-                .unwrap()
-                .get::<_, Option<i32>>(0)
-                .unwrap_or(0);
-            (retried >= 6).then_some(())
-        });
+        wait_for_failed_rounds(&mut client, 6, &format!("retries against the {what} URL"));
+        assert_eq!(env.pg.backend_pids(&mut client, "outbox_pg relay"), vec![relay], "the relay was replaced");
         let row = client
             .query_one(
-                "SELECT count(*) FILTER (WHERE status IN ('pending', 'publishing')), sum(rejections),
-                        count(*) FILTER (WHERE last_error IS NOT NULL)
+                "SELECT count(*) FILTER (WHERE status = 'pending'), sum(rejections)
                    FROM outbox.messages WHERE id >= $1",
                 &[&first],
             )
             .unwrap();
-        assert_eq!((row.get::<_, i64>(0), row.get::<_, Option<i64>>(1), row.get::<_, i64>(2)), (5, Some(0), 5));
+        assert_eq!((row.get::<_, i64>(0), row.get::<_, Option<i64>>(1)), (5, Some(0)));
         assert_eq!(count(&mut client, "SELECT failed FROM outbox.stats"), 0);
         assert_eq!(log_count(&env.pg, "cannot publish to Redis"), i + 1, "one WARNING per failure state");
         eprintln!("{what}: {warning}");

@@ -5,10 +5,8 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
-use common::{status_counts, wait_for, Env, DEADLINE};
+use common::{status_counts, wait_for, wait_for_failed_rounds, Env, DEADLINE};
 
 fn count(client: &mut postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).unwrap().get(0)
@@ -36,68 +34,19 @@ fn assert_per_aggregate_order(entries_by_stream: &HashMap<String, Vec<HashMap<St
 
 #[test]
 fn per_aggregate_order_holds_with_concurrent_producers_relays_and_rejections() {
-    let env = Env::start(&["outbox.retry_delay = '20ms'", "outbox.max_attempts = 1000", "outbox.batch_size = 16"]);
+    // Three relays, each holding a share of the shards, with small batches.
+    let env = Env::start(&[
+        "outbox.retry_delay = '20ms'",
+        "outbox.max_attempts = 1000",
+        "outbox.batch_size = 16",
+        "outbox.workers = 3",
+    ]);
     // Two aggregates publish to streams whose keys hold strings: Redis rejects them (WRONGTYPE)
     // until the keys are deleted below.
     let mut redis = env.redis.connection();
     for k in 0..2 {
         redis::cmd("SET").arg(format!("poison:{k}")).arg("x").query::<()>(&mut redis).unwrap();
     }
-
-    // A second relay outside the server, claiming through the same SQL (SKIP LOCKED) concurrently.
-    let stop = Arc::new(AtomicBool::new(false));
-    let external = {
-        let stop = stop.clone();
-        let mut pg = env.pg.connect();
-        let mut redis = env.redis.connection();
-        std::thread::spawn(move || {
-            let mut published = 0;
-            while !stop.load(Ordering::SeqCst) {
-                let rows = pg
-                    .query(
-                        "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq::text,
-                                coalesce(stream, 'outbox:' || aggregate_type)
-                           FROM outbox._claim_batch(8, true) ORDER BY id",
-                        &[],
-                    )
-                    .unwrap();
-                if rows.is_empty() {
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                    continue;
-                }
-                for row in rows {
-                    let id: i64 = row.get(0);
-                    let stream: String = row.get(5);
-                    let added: redis::RedisResult<String> = redis::cmd("XADD")
-                        .arg(&stream)
-                        .arg("*")
-                        .arg("event_id")
-                        .arg(row.get::<_, String>(1))
-                        .arg("aggregate_type")
-                        .arg(row.get::<_, String>(2))
-                        .arg("aggregate_id")
-                        .arg(row.get::<_, String>(3))
-                        .arg("aggregate_seq")
-                        .arg(row.get::<_, String>(4))
-                        .query(&mut redis);
-                    match added {
-                        Ok(_) => {
-                            pg.execute("SELECT outbox._mark_published(ARRAY[$1::bigint])", &[&id]).unwrap();
-                            published += 1;
-                        }
-                        Err(e) => {
-                            pg.execute(
-                                "SELECT outbox._reject(ARRAY[$1::bigint], $2, 1000, 20)",
-                                &[&id, &e.to_string()],
-                            )
-                            .unwrap();
-                        }
-                    }
-                }
-            }
-            published
-        })
-    };
 
     let producers: Vec<_> = (0..4)
         .map(|p| {
@@ -132,7 +81,7 @@ fn per_aggregate_order_holds_with_concurrent_producers_relays_and_rejections() {
         &mut client,
         "SELECT count(*) FROM outbox.messages later JOIN outbox.messages earlier
              ON earlier.aggregate_type = later.aggregate_type AND earlier.aggregate_id = later.aggregate_id
-            AND earlier.aggregate_seq < later.aggregate_seq
+            AND earlier.id < later.id
           WHERE later.status = 'published' AND earlier.status <> 'published'",
     );
     assert_eq!(overtaken, 0, "a later event was published before an earlier one");
@@ -142,8 +91,6 @@ fn per_aggregate_order_holds_with_concurrent_producers_relays_and_rejections() {
     wait_for(DEADLINE, "every event published", || {
         (status_counts(&mut client).get("published").copied() == Some(600)).then_some(())
     });
-    stop.store(true, Ordering::SeqCst);
-    let externally = external.join().unwrap();
 
     let mut by_stream = HashMap::new();
     for stream in ["outbox:acct", "poison:0", "poison:1"] {
@@ -154,7 +101,6 @@ fn per_aggregate_order_holds_with_concurrent_producers_relays_and_rejections() {
         assert!(seen.contains(id), "event {id} was never delivered");
     }
     assert_eq!(seen.len(), 600);
-    eprintln!("external relay published {externally} of 600 events");
 }
 
 #[test]
@@ -248,9 +194,7 @@ fn a_redis_outage_never_dead_letters_anything() {
     env.redis.kill();
     client.batch_execute("SELECT outbox_enqueue('outage', i, 'e', '{}') FROM generate_series(1, 10) i").unwrap();
     // Many more failed rounds than max_attempts.
-    wait_for(DEADLINE, "five failed rounds", || {
-        (count(&mut client, "SELECT min(attempts)::bigint FROM outbox.messages") >= 5).then_some(())
-    });
+    wait_for_failed_rounds(&mut client, 5, "five failed rounds");
     assert_eq!(count(&mut client, "SELECT count(*) FROM outbox.messages WHERE status = 'failed' OR rejections > 0"), 0);
     let last_error: Option<String> = client.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
     assert!(last_error.is_some_and(|e| !e.is_empty()));
@@ -263,21 +207,25 @@ fn a_redis_outage_never_dead_letters_anything() {
 }
 
 #[test]
-fn a_hung_claim_is_returned_when_its_lease_expires() {
+fn the_shards_of_a_hung_relay_are_taken_over_when_its_lease_expires() {
     let env = Env::start(&["outbox.lease = '1s'", "outbox.enabled = off"]);
     let mut client = env.pg.connect();
     client.batch_execute("SELECT outbox_enqueue('lease', i, 'e', '{}') FROM generate_series(1, 3) i").unwrap();
-    // A claimer that stays connected but never settles, like a hung relay.
+    // A claimer that stays connected but never finishes, like a hung relay.
     let mut hung = env.pg.connect();
-    assert_eq!(count(&mut hung, "SELECT count(*) FROM outbox._claim_batch(3, true)"), 3);
+    assert_eq!(count(&mut hung, "SELECT count(*) FROM outbox._claim_shards(pg_backend_pid(), 16, 1000)"), 16);
     env.pg.set(&mut client, &[("outbox.enabled", "on")]);
     env.redis.wait_for_entries("outbox:lease", 3);
+    let relay = env.pg.relay_pid(&mut client);
+    wait_for(DEADLINE, "the relay to hold every shard", || {
+        (count(&mut client, &format!("SELECT count(*) FROM outbox.shards WHERE claimed_by = {relay}")) == 16)
+            .then_some(())
+    });
     let error: String = client
         .query_one("SELECT last_error FROM outbox.messages LIMIT 1", &[])
         .map(|r| r.get::<_, Option<String>>(0).unwrap_or_default())
         .unwrap();
-    assert!(error.is_empty(), "published rows carry no error: {error}");
-    assert!(env.pg.log().contains("returned 3 claimed events to pending"));
+    assert!(error.is_empty(), "published events carry no error: {error}");
     drop(hung);
 }
 
@@ -435,100 +383,72 @@ fn logged_plans<'a>(log: &'a str, query_start: &str) -> Vec<&'a str> {
         .collect()
 }
 
-/// A queue table's statistics are stale by nature: ANALYZE may run when almost nothing is pending,
-/// and a backlog builds up later. The claim must still walk the pending rows in id order and stop
-/// at the batch size, not (trusting an estimate of one pending row) scan every undelivered row
-/// through another index and sort them: the sustained benchmark caught that plan taking 500 ms
-/// per 100-event claim, so the relay fell minutes behind until the next ANALYZE. This small table
-/// does not make the planner flip without the fix (the estimates that did came from a table of
-/// 1.5 million rows); what the test pins is the plan's shape, so that no rewrite of the claim
-/// brings a sort back. The same goes for the settle, whose bad plan this table does reproduce.
+/// The log's statistics are stale by nature: ANALYZE may run while a large enqueue is still
+/// uncommitted (it counts no rows) or while the table is empty. The relays' statements must still
+/// walk the (shard, txid) index in txid order and stop at the batch size, and probe counters by
+/// primary key, never scan or sort the log: in the old design a claim that sorted every
+/// undelivered row took 500 ms per 100 events under a backlog. What this pins is the plans' shape,
+/// read from auto_explain, with the statistics at their most misleading.
 #[test]
-fn the_claim_keeps_its_index_order_plan_when_statistics_are_stale() {
+fn the_relays_statements_keep_their_index_plans_when_statistics_are_stale() {
     let env = Env::start(&["outbox.enabled = off"]);
     let mut client = env.pg.connect();
-    // What VACUUM sees when the relay keeps up: a table of published rows, partial indexes
-    // (pending, undelivered) bloated by churn but holding no live row.
     client
         .batch_execute(
-            "ALTER TABLE outbox.messages SET (autovacuum_enabled = false);
-             SELECT outbox_enqueue('stale', i, 'e', '{}') FROM generate_series(1, 20000) i;
-             UPDATE outbox.messages SET status = 'published', published_at = now();",
+            "ALTER TABLE outbox.events_0 SET (autovacuum_enabled = false);
+             ALTER TABLE outbox.aggregates SET (autovacuum_enabled = false);",
         )
         .unwrap();
-    // VACUUM sees nothing undelivered: the partial indexes count zero rows.
-    client.batch_execute("VACUUM ANALYZE outbox.messages").unwrap();
-    client.batch_execute("UPDATE outbox.messages SET status = 'failed', failed_at = now() WHERE id % 100 = 0").unwrap();
-    // The statistics now say one row in 20,000 is pending; a backlog builds up.
-    client.batch_execute("SELECT outbox_enqueue('stale', i, 'e', '{}') FROM generate_series(20001, 40000) i").unwrap();
-
+    let mut producer = env.pg.connect();
+    let mut big = producer.transaction().unwrap();
+    big.batch_execute("SELECT outbox_enqueue('stale', i, 'e', '{}') FROM generate_series(1, 20000) i").unwrap();
+    env.pg.connect().batch_execute("ANALYZE outbox.events_0").unwrap();
+    big.commit().unwrap();
+    let reltuples: f32 =
+        client.query_one("SELECT reltuples FROM pg_class WHERE oid = 'outbox.events_0'::regclass", &[]).unwrap().get(0);
+    assert!(reltuples < 1.0, "ANALYZE counted the uncommitted rows: {reltuples}");
     client
         .batch_execute(
-            "LOAD 'auto_explain';
+            "INSERT INTO outbox.aggregates SELECT 'stale', i::text, 1 FROM generate_series(1, 20000) i;
+             LOAD 'auto_explain';
              SET auto_explain.log_min_duration = 0;
              SET auto_explain.log_nested_statements = on;
              SET client_min_messages = warning;",
         )
         .unwrap();
-    let mut claim = client.transaction().unwrap();
-    // Six calls: PL/pgSQL switches to a generic plan after five, and both must hold.
-    for _ in 0..6 {
-        let claimed = claim.query("SELECT id FROM outbox._claim_batch(100, true)", &[]).unwrap();
-        assert!(!claimed.is_empty());
-        let read = claim.query("SELECT id FROM outbox._relay_batch(100, true)", &[]).unwrap();
-        assert!(!read.is_empty());
-        let ids: Vec<i64> = read.iter().map(|row| row.get(0)).collect();
-        claim.query_one("SELECT outbox._mark_published($1)", &[&ids]).unwrap();
-    }
-    claim.rollback().unwrap();
-
-    let log = env.pg.log();
-    let mut plans = logged_plans(&log, "WITH candidates AS");
-    assert!(plans.len() >= 6, "auto_explain logged the session claim's plans: {}", plans.len());
-    let relay_reads = logged_plans(&log, "SELECT m.id, m.event_id::text");
-    assert!(relay_reads.len() >= 6, "auto_explain logged the relay read's plans: {}", relay_reads.len());
-    plans.extend(relay_reads);
-    for plan in plans {
-        assert!(plan.contains("Index Scan using messages_pending_idx"), "the claim walks the pending index:\n{plan}");
-        // The session claim sorts its batch of candidates (per aggregate, for the order check),
-        // never the table's rows.
-        assert!(!plan.contains("Sort Key: m."), "the claim sorts no table rows:\n{plan}");
-    }
-    // The settle finds its rows by primary key. Here (VACUUM saw no undelivered row) the planner
-    // otherwise walked the whole undelivered index once per settle, filtering on the ids: the
-    // sustained benchmark caught that at 1-4 s per 100 rows.
-    let settles = logged_plans(&log, "WITH settled AS");
-    assert!(settles.len() >= 6, "auto_explain logged the settle's plans: {}", settles.len());
-    for plan in settles {
-        assert!(plan.contains("Index Scan using messages_pkey"), "the settle probes the primary key:\n{plan}");
-        assert!(!plan.contains("messages_undelivered_idx"), "the settle scans no undelivered index:\n{plan}");
-    }
-
-    // An ANALYZE that runs while a large enqueue is uncommitted counts no rows at all. Joined to
-    // unnest(ids), the settle then became a nested loop over a sequential scan of the table that
-    // compared every row with every id (9 s for 5,000 rows). The settle and the relay's
-    // per-aggregate probe must still go through an index.
-    client.batch_execute("TRUNCATE outbox.messages").unwrap();
-    let mut producer = env.pg.connect();
-    let mut big = producer.transaction().unwrap();
-    big.batch_execute("SELECT outbox_enqueue('bulk', i, 'e', '{}') FROM generate_series(1, 3000) i").unwrap();
-    env.pg.connect().batch_execute("ANALYZE outbox.messages").unwrap();
-    big.commit().unwrap();
-    let reltuples: f32 =
-        client.query_one("SELECT reltuples FROM pg_class WHERE oid = 'outbox.messages'::regclass", &[]).unwrap().get(0);
-    assert!(reltuples < 1.0, "ANALYZE counted the uncommitted rows: {reltuples}");
     let log_before = env.pg.log().len();
-    let ids: Vec<i64> =
-        client.query("SELECT id FROM outbox.messages ORDER BY id", &[]).unwrap().iter().map(|row| row.get(0)).collect();
-    let settled: i64 = client.query_one("SELECT outbox._mark_published($1)", &[&ids]).unwrap().get(0);
-    assert_eq!(settled, 3000);
-    client.query("SELECT * FROM outbox._relay_waiting(ARRAY['bulk'], ARRAY['1'], ARRAY[5::bigint])", &[]).unwrap();
+    // Six calls each: PL/pgSQL switches to a generic plan after five, and both must hold.
+    for shard in 0..6i16 {
+        let read: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox._read_shard($1, (SELECT cursor FROM outbox.shards WHERE shard = $1),
+                                                          pg_current_snapshot(), 100)",
+                &[&shard],
+            )
+            .unwrap()
+            .get(0);
+        assert_eq!(read, 100, "a batch stops at its size");
+        let ids: Vec<String> = (1..=100).map(|i| (i * 7 + shard as i64).to_string()).collect();
+        let types = vec!["stale".to_string(); ids.len()];
+        client.query("SELECT * FROM outbox._counters($1, $2)", &[&types, &ids]).unwrap();
+    }
     let log = env.pg.log();
     let log = &log[log_before..];
-    let settles = logged_plans(log, "WITH settled AS");
-    let probes = logged_plans(log, "SELECT h.position");
-    assert!(!settles.is_empty() && !probes.is_empty(), "auto_explain logged the settle and the probe:\n{log}");
-    for plan in settles.into_iter().chain(probes) {
-        assert!(!plan.contains("Seq Scan on messages"), "no sequential scan of the outbox:\n{plan}");
+    let reads = logged_plans(log, "SELECT e.txid::text::bigint");
+    assert!(reads.len() >= 6, "auto_explain logged the batch reads: {}", reads.len());
+    for plan in reads {
+        assert!(
+            plan.contains("Index Scan using events_0_batch_idx"),
+            "the read walks the (shard, txid) index:\n{plan}"
+        );
+        assert!(!plan.contains("Seq Scan on events_"), "no sequential scan of the log:\n{plan}");
+        // (A Merge Append of the three tables' index scans has a sort key, but sorts nothing.)
+        assert!(!plan.contains("Sort  (cost"), "no sort of the log:\n{plan}");
+    }
+    let probes = logged_plans(log, "SELECT a.ordinal, c.last_seq");
+    assert!(probes.len() >= 6, "auto_explain logged the counter probes: {}", probes.len());
+    for plan in probes {
+        assert!(plan.contains("aggregates_pkey"), "counters are probed by primary key:\n{plan}");
+        assert!(!plan.contains("Seq Scan on aggregates"), "no sequential scan of the counters:\n{plan}");
     }
 }

@@ -72,7 +72,8 @@ fn committed_event_reaches_its_stream_with_every_field() {
         .query_one("SELECT published_at IS NOT NULL, attempts, last_error IS NULL FROM outbox.messages", &[])
         .unwrap();
     assert!(row.get::<_, bool>(0));
-    assert_eq!(row.get::<_, i32>(1), 1);
+    // Nothing is written per event on the way out: attempts are counted on the failure path only.
+    assert_eq!(row.get::<_, i32>(1), 0);
     assert!(row.get::<_, bool>(2));
 }
 
@@ -173,23 +174,17 @@ fn redis_outage_delays_delivery_and_records_the_error() {
     for i in 0..50 {
         enqueue(&mut client, "outage", &i.to_string(), "{}");
     }
-    // While Redis is down the rows stay pending, with the failure recorded.
-    wait_for(DEADLINE, "failed attempts recorded on the pending rows", || {
-        client
-            .query_one(
-                "SELECT count(*) FROM outbox.messages WHERE status = 'pending' AND attempts >= 2 AND last_error IS NOT NULL",
-                &[],
-            )
-            .unwrap()
-            .get::<_, i64>(0)
-            .eq(&50)
-            .then_some(())
+    // While Redis is down the events stay pending (nothing is written per event: the batch is read
+    // again after each backoff), and the relay records the failure, retry after retry.
+    let first_failure: std::time::SystemTime = wait_for(DEADLINE, "the failure recorded", || {
+        let row = client.query_one("SELECT last_error, last_error_at FROM outbox.stats", &[]).unwrap();
+        row.get::<_, Option<String>>(0).filter(|e| !e.is_empty()).and(row.get(1))
     });
-    let error: String = client
-        .query_one("SELECT last_error FROM outbox.messages WHERE status = 'pending' LIMIT 1", &[])
-        .unwrap()
-        .get(0);
-    assert!(!error.is_empty());
+    wait_for(DEADLINE, "several failed rounds", || {
+        let row = client.query_one("SELECT pending, last_error_at FROM outbox.stats", &[]).unwrap();
+        let at: std::time::SystemTime = row.get(1);
+        (row.get::<_, i64>(0) == 50 && at > first_failure).then_some(())
+    });
     assert!(!client.query_one("SELECT outbox.redis_connected()", &[]).unwrap().get::<_, bool>(0));
 
     env.redis.restart();
@@ -411,23 +406,31 @@ fn enqueue_without_preload_is_refused_with_a_hint() {
 }
 
 #[test]
-fn claims_of_an_exited_process_are_returned_and_delivered() {
+fn shards_of_an_exited_process_are_taken_over_and_delivered() {
     // Paused, so that the claim below is certainly ours and not the relay's.
     let env = Env::start(&["outbox.enabled = off", "outbox.poll_interval = '100ms'"]);
     let mut client = env.pg.connect();
     client.batch_execute("SELECT outbox_enqueue('orphan', i, 'e', '{}') FROM generate_series(1, 3) i").unwrap();
-    // A claimer that exits between claim and settle, as a crashed relay would.
+    // A claimer that takes every shard and exits without finishing, as a crashed relay would.
     let mut claimer = env.pg.connect();
-    let claimed: i64 = claimer.query_one("SELECT count(*) FROM outbox._claim_batch(3)", &[]).unwrap().get(0);
-    assert_eq!(claimed, 3);
+    let claimed: i64 = claimer
+        .query_one("SELECT count(*) FROM outbox._claim_shards(pg_backend_pid(), 16, 600000)", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(claimed, 16);
     drop(claimer);
-    assert_eq!(status_counts(&mut client).get("publishing"), Some(&3));
     env.pg.set(&mut client, &[("outbox.enabled", "on")]);
     let entries = env.redis.wait_for_entries("outbox:orphan", 3);
     assert_eq!(entries.len(), 3);
     wait_all_published(&mut client, 3);
-    let attempts: i64 = client.query_one("SELECT sum(attempts) FROM outbox.messages", &[]).unwrap().get(0);
-    assert_eq!(attempts, 6, "one claim by the exited process and one by the relay each");
+    let relay = env.pg.relay_pid(&mut client);
+    let holders: Vec<i32> = client
+        .query("SELECT DISTINCT claimed_by FROM outbox.shards", &[])
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(holders, [relay], "the relay took over every shard of the process that exited");
 }
 
 #[test]

@@ -279,20 +279,41 @@ fn seed_insert_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64)
     )
 }
 
-/// Pauses the relays, lets one that is mid-round finish, and empties `outbox.messages`.
+/// The tables that hold outbox_pg's events: the log's three generations and the failure path.
+const OUTBOX_TABLES: &str = "outbox.events_0, outbox.events_1, outbox.events_2, outbox.held";
+
+/// Pauses the relays, lets one that is mid-round finish, and empties the outbox: the log, the
+/// failure path, and every shard's cursor moved to now.
 fn pause_and_empty_outbox(admin: &mut postgres::Client) -> Result<()> {
     configure(admin, &[("outbox.enabled", "off")])?;
     wait_until(Duration::from_secs(10), || {
         let busy: i64 = admin.query_one("SELECT publishing FROM outbox.stats", &[])?.get(0);
         Ok(busy == 0)
     })?;
-    admin.batch_execute("TRUNCATE outbox.messages")?;
+    admin.batch_execute(&format!(
+        "TRUNCATE {OUTBOX_TABLES}, outbox.ticks;
+         UPDATE outbox.shards SET cursor = pg_current_snapshot(), cursor_at = now();"
+    ))?;
     Ok(())
+}
+
+/// Applies retention to everything published, as `outbox.purge('0')` repeated in separate
+/// transactions does: a table switched by one call is truncated by a later one, once no writer can
+/// be left on it and every shard has consumed it.
+fn purge_everything(admin: &mut postgres::Client) -> Result<()> {
+    wait_until(Duration::from_secs(60), || {
+        admin.batch_execute("SELECT outbox.purge('0')")?;
+        let left: i64 = admin.query_one("SELECT count(*) FROM outbox.events", &[])?.get(0);
+        if left > 0 {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(left == 0)
+    })
 }
 
 fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
     pause_and_empty_outbox(admin)?;
-    admin.batch_execute("VACUUM ANALYZE outbox.messages")?;
+    admin.batch_execute(&format!("VACUUM ANALYZE {OUTBOX_TABLES}"))?;
     redis::cmd("DEL").arg(DRAIN_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
     // With 10,000 aggregates (10 events each) ordering has runs to respect; with one aggregate,
     // every event waits for the one before it. Transactions of 1,000 events: one transaction that
@@ -301,7 +322,7 @@ fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggre
     for first in (1..=events).step_by(1000) {
         admin.batch_execute(&enqueue_sql("bench_drain", aggregates, first, (first + 999).min(events)))?;
     }
-    admin.batch_execute("VACUUM ANALYZE outbox.messages")?;
+    admin.batch_execute(&format!("VACUUM ANALYZE {OUTBOX_TABLES}"))?;
     Ok(())
 }
 
@@ -344,12 +365,14 @@ fn relay_pids(admin: &mut postgres::Client) -> Result<Vec<i32>> {
 
 /// Dead tuples and total size (indexes and TOAST included) of `table` as the statistics show it
 /// once the relays have flushed their counters (they do so at most once a second, between rounds).
-fn table_state(admin: &mut postgres::Client, table: &str) -> Result<(i64, i64)> {
+fn table_state(admin: &mut postgres::Client, tables: &str) -> Result<(i64, i64)> {
     std::thread::sleep(Duration::from_millis(2500));
     admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
+    let tables: Vec<String> = tables.split(',').map(|t| t.trim().to_string()).collect();
     let row = admin.query_one(
-        "SELECT pg_stat_get_dead_tuples($1::text::regclass), pg_total_relation_size($1::text::regclass)",
-        &[&table],
+        "SELECT sum(pg_stat_get_dead_tuples(t::regclass))::bigint, sum(pg_total_relation_size(t::regclass))::bigint
+           FROM unnest($1::text[]) AS t",
+        &[&tables],
     )?;
     Ok((row.get(0), row.get(1)))
 }
@@ -384,7 +407,7 @@ fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) ->
     // The last batch is settled after its XADDs: its CPU belongs to the drain too.
     wait_settled(&mut admin)?;
     let ticks_after = ticks(&pids)?;
-    let (dead_tuples, total_bytes) = table_state(&mut admin, "outbox.messages")?;
+    let (dead_tuples, total_bytes) = table_state(&mut admin, OUTBOX_TABLES)?;
     Ok(Drain {
         relays: workers,
         events_per_s,
@@ -643,7 +666,7 @@ fn wal_path(
     admin: &mut postgres::Client,
     enqueue: impl FnOnce(&mut postgres::Client) -> Result<()>,
     relay: impl FnOnce(&mut postgres::Client) -> Result<()>,
-    retention: &str,
+    retention: impl FnOnce(&mut postgres::Client) -> Result<()>,
 ) -> Result<WalPath> {
     admin.batch_execute("CHECKPOINT")?;
     let start = wal_position(admin)?;
@@ -651,7 +674,7 @@ fn wal_path(
     let enqueued = wal_since(admin, &start)?;
     relay(admin)?;
     let relayed = wal_since(admin, &start)?;
-    admin.batch_execute(retention)?;
+    retention(admin)?;
     let retained = wal_since(admin, &start)?;
     Ok(WalPath { enqueue: enqueued, relay: relayed - enqueued, retention: retained - relayed })
 }
@@ -686,7 +709,7 @@ fn wal_per_event(args: &Args, events: i64, aggregates: i64, per_transaction: i64
                 wait_drained(args, WAL_STREAM, events)?;
                 wait_settled(admin)
             },
-            "SELECT outbox.purge('0')",
+            purge_everything,
         )?;
         configure(&mut admin, &[("outbox.enabled", "off")])?;
 
@@ -702,7 +725,7 @@ fn wal_per_event(args: &Args, events: i64, aggregates: i64, per_transaction: i64
                 }
                 Ok(())
             },
-            "DELETE FROM bench_seed_outbox WHERE status = 'published'",
+            |admin| Ok(admin.batch_execute("DELETE FROM bench_seed_outbox WHERE status = 'published'")?),
         )?;
         Ok(Wal { events, aggregates, per_transaction, outbox, seeds })
     })();
@@ -744,7 +767,7 @@ fn idle(args: &Args, seconds: u64) -> Result<Idle> {
         let left: i64 = admin.query_one("SELECT pending + publishing FROM outbox.stats", &[])?.get(0);
         Ok(left == 0)
     })?;
-    admin.batch_execute("SELECT outbox.purge('0')")?;
+    purge_everything(&mut admin)?;
     let pid: i32 =
         admin.query_one("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'", &[])?.get(0);
     let poll_interval: String = admin.query_one("SHOW outbox.poll_interval", &[])?.get(0);
@@ -800,7 +823,7 @@ fn sustained(args: &Args) -> Result<()> {
     let command = command_line(args);
     let mut md = format!(
         "# Sustained run: {} events/s for {} minutes\n\nMade with `{command}`.\n\n{}, {retention}.\n\n\
-         | minute | events | achieved events/s | p50 | p99 | max | outbox.messages size | dead tuples | pending at end |\n|---|---|---|---|---|---|---|---|---|\n",
+         | minute | events | achieved events/s | p50 | p99 | max | outbox size (log + failure path) | dead tuples | pending at end |\n|---|---|---|---|---|---|---|---|---|\n",
         args.rate,
         args.minutes,
         machine_facts(&mut admin)?
@@ -814,7 +837,8 @@ fn sustained(args: &Args) -> Result<()> {
         let achieved = window.samples_ms.len() as f64 / window_started.elapsed().as_secs_f64();
         admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
         let row = admin.query_one(
-            "SELECT pg_size_pretty(pg_total_relation_size('outbox.messages')), pg_stat_get_dead_tuples('outbox.messages'::regclass),
+            "SELECT pg_size_pretty((SELECT sum(pg_total_relation_size(t::regclass)) FROM unnest(ARRAY['outbox.events_0', 'outbox.events_1', 'outbox.events_2', 'outbox.held']) t)::bigint),
+                    (SELECT sum(pg_stat_get_dead_tuples(t::regclass)) FROM unnest(ARRAY['outbox.events_0', 'outbox.events_1', 'outbox.events_2', 'outbox.held']) t)::bigint,
                     (SELECT pending FROM outbox.stats)",
             &[],
         )?;
@@ -995,7 +1019,7 @@ fn run_all(args: &Args) -> Result<()> {
     eprintln!("   relay paused {:.1}%, running {:.1}%", 100.0 * tps_off.ratio(), 100.0 * tps_on.ratio());
     eprintln!("== idle for {idle_seconds} s");
     let idle = idle(args, idle_seconds)?;
-    admin.batch_execute("SELECT outbox.purge('0')")?;
+    purge_everything(&mut admin)?;
     admin.batch_execute("TRUNCATE bench_payments, bench_seed_outbox")?;
 
     write_report(
@@ -1334,9 +1358,9 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
         ))
     };
     for d in &r.in_server {
-        table_row(format!("outbox_pg, {}", plural(d.relays, "worker")), "outbox.messages", d);
+        table_row(format!("outbox_pg, {}", plural(d.relays, "worker")), "outbox.events_*, outbox.held", d);
     }
-    table_row("outbox_pg, one aggregate, 1 worker".into(), "outbox.messages", &r.one_aggregate);
+    table_row("outbox_pg, one aggregate, 1 worker".into(), "outbox.events_*, outbox.held", &r.one_aggregate);
     for d in &r.baseline {
         table_row(format!("external relay, {}", plural(d.relays, "process")), "bench_seed_outbox", d);
     }

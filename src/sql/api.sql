@@ -22,7 +22,9 @@ DECLARE
     payload_limit integer;
     payload_bytes integer;
     headers_bytes integer;
-    next_seq      bigint;
+    writer_txid   xid8;
+    target        smallint;
+    event_shard   smallint;
     new_event_id  uuid;
 BEGIN
     IF outbox_enqueue.aggregate_type IS NULL THEN
@@ -103,7 +105,10 @@ BEGIN
     -- Checks that a relay will deliver the event (the library is preloaded and relays this
     -- database) and that its stream is one outbox.allowed_streams permits, arms the commit-time
     -- wake-up of the relay, and returns outbox.max_payload_size in bytes.
-    payload_limit := outbox._prepare_enqueue(outbox_enqueue.aggregate_type, outbox_enqueue.event_type, outbox_enqueue.stream);
+    -- It also takes the aggregate's order lock: enqueues of one aggregate take turns until commit,
+    -- so within an aggregate the id drawn below follows commit order.
+    payload_limit := outbox._prepare_enqueue(outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id,
+                                             outbox_enqueue.event_type, outbox_enqueue.stream);
     -- The limit applies to what is sent to Redis: the payload's JSON text.
     payload_bytes := octet_length(outbox_enqueue.payload::text);
     IF payload_bytes > payload_limit THEN
@@ -113,24 +118,36 @@ BEGIN
                   HINT = 'Put large documents elsewhere and send a reference in the event, or have a superuser raise outbox.max_payload_size.';
     END IF;
 
-    -- The aggregate's row lock, held until commit, makes concurrent enqueues of the same aggregate
-    -- take turns (others are unaffected), so numbers are gap-free and follow commit order. Taking
-    -- it before the insert also makes id order follow aggregate_seq order within an aggregate.
-    INSERT INTO outbox.aggregates AS a (aggregate_type, aggregate_id, last_seq)
-    VALUES (outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id, 1)
-    ON CONFLICT ON CONSTRAINT aggregates_pkey DO UPDATE SET last_seq = a.last_seq + 1
-    RETURNING a.last_seq INTO next_seq;
-
-    INSERT INTO outbox.messages (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, stream)
-    VALUES (outbox.uuid_generate_v7(), outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id, next_seq,
-            outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers, outbox_enqueue.stream)
-    RETURNING messages.event_id INTO new_event_id;
+    -- The transaction id before the generation: a writer that read a generation just before it was
+    -- switched already had its transaction id then, which is how retention knows when no writer
+    -- can be left on a closed table (outbox._rotate).
+    writer_txid := pg_catalog.pg_current_xact_id();
+    SELECT g.generation INTO target FROM outbox.generations g WHERE g.state = 'current';
+    event_shard := outbox._shard_of(outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id);
+    new_event_id := outbox.uuid_generate_v7();
+    -- One statement per table, so that each keeps its plan (no dynamic SQL on this path).
+    IF target = 0 THEN
+        INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
+        VALUES (writer_txid, event_shard, nextval('outbox.events_id_seq'), new_event_id, outbox_enqueue.aggregate_type,
+                outbox_enqueue.aggregate_id, outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers,
+                outbox_enqueue.stream, clock_timestamp());
+    ELSIF target = 1 THEN
+        INSERT INTO outbox.events_1 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
+        VALUES (writer_txid, event_shard, nextval('outbox.events_id_seq'), new_event_id, outbox_enqueue.aggregate_type,
+                outbox_enqueue.aggregate_id, outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers,
+                outbox_enqueue.stream, clock_timestamp());
+    ELSE
+        INSERT INTO outbox.events_2 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
+        VALUES (writer_txid, event_shard, nextval('outbox.events_id_seq'), new_event_id, outbox_enqueue.aggregate_type,
+                outbox_enqueue.aggregate_id, outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers,
+                outbox_enqueue.stream, clock_timestamp());
+    END IF;
     RETURN new_event_id;
 END
 $fn$;
 
 COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) IS
-    'Writes one event to outbox.messages in the caller''s transaction and returns its event_id; the relay publishes it to Redis after commit';
+    'Writes one event to the outbox log in the caller''s transaction and returns its event_id; the relay publishes it to Redis after commit';
 
 -- Overloads so that callers pass bigint or uuid ids without a cast. Named arguments work the same.
 CREATE FUNCTION @extschema@.outbox_enqueue(

@@ -1,154 +1,71 @@
--- The statements the relay workers run (claim, settle, reap, retention), in schema outbox. They
--- live here so that they can be read, explained and tested from psql; the worker calls them through
--- SPI. PL/pgSQL rather than SQL functions: it keeps their plans for the session, where an SQL
--- function would parse and plan them again on every call. Not for applications: EXECUTE is revoked
--- from PUBLIC. Why each is fenced the way it is (plans that stale statistics flipped, measured) is
--- in docs/performance.md.
+-- The statements the relay workers run, in schema outbox: claim shards, read a batch from the log,
+-- finish it (cursor, counters, the failure path), housekeeping (reaper, retention). They live here
+-- so that they can be read, explained and tested from psql; the worker calls them through SPI.
+-- PL/pgSQL rather than SQL functions: it keeps their plans for the session. Not for applications:
+-- EXECUTE is revoked from PUBLIC. The design is in docs/worker.md, "The log".
 
--- Two ways to claim, excluding each other through the claim lock (a transaction-level lock of a
--- kind no SQL function takes, so that no role can hold it but through these functions; see
--- src/claims.rs) and through what they record:
--- * The relay workers read a batch with _relay_batch and _relay_waiting, which write nothing: the
---   ids go into the relay's slot in shared memory before the reading transaction commits
---   (src/claims.rs), and the rows stay pending until the mark. One row write per event instead of
---   two.
--- * A session (an external relay, a tool, a test) calls _claim_batch, which marks the rows
---   publishing and leaves any row a relay holds in shared memory alone.
---
--- Both choose rows the same way. Oldest first (id order) up to batch_size, and with in_order
--- (outbox.ordering = 'aggregate') per-aggregate order: an event is claimable only when every
--- earlier event of its aggregate is delivered or claimed in this same batch. That is checked in
--- two steps, each costing one index probe, so that a batch of one aggregate's events costs no
--- more than a batch of a thousand aggregates':
--- 1. Before the LIMIT, each pending row is dropped if an earlier event of its aggregate *blocks*
---    it: in flight elsewhere (publishing), dead-lettered (failed) or backing off. Those rows are in
---    messages_blocking_idx, which is almost always empty. Rows held back this way never crowd
---    other aggregates out of the batch.
--- 2. After the LIMIT, per aggregate in the batch: its events sorted by aggregate_seq are cut at
---    the first gap (an event whose predecessor is not in the batch waits for it), and the
---    aggregate is dropped if an event below its first one is still undelivered (held by another
---    relay, skipped by SKIP LOCKED, or beyond the LIMIT because its id is higher).
--- (Probing "any earlier undelivered event outside this batch?" for every row instead walks all
--- earlier pending events of the aggregate per row: quadratic in one aggregate's backlog.)
+-- All the events, whichever generation holds them. Reading through this view lets the planner
+-- merge the three tables' (shard, txid) index scans in txid order.
+CREATE VIEW outbox.events AS
+    SELECT 0::smallint AS generation, e.* FROM outbox.events_0 e
+    UNION ALL
+    SELECT 1::smallint, e.* FROM outbox.events_1 e
+    UNION ALL
+    SELECT 2::smallint, e.* FROM outbox.events_2 e;
+COMMENT ON VIEW outbox.events IS 'outbox_pg: the event log, all three generations';
 
--- Claims up to batch_size pending rows and marks them publishing. SKIP LOCKED lets several sessions
--- claim at once and get disjoint batches. The caller commits before talking to Redis, so no row
--- lock is held across network I/O, and publishes the rows of each aggregate in aggregate_seq order.
-CREATE FUNCTION outbox._claim_batch(batch_size integer, in_order boolean DEFAULT true)
-RETURNS TABLE (
-    id             bigint,
-    event_id       text,
-    aggregate_type text,
-    aggregate_id   text,
-    aggregate_seq  bigint,
-    event_type     text,
-    payload        text,
-    headers        text,
-    stream         text,
-    created_at     text
-)
+-- Takes and keeps this relay's share of the 16 shards (FOR UPDATE SKIP LOCKED, so relays never
+-- wait on each other), gives back what is above the share, renews the lease a third of the way
+-- through, and returns the shards it holds with their cursors and how long ago each moved. Shards held by a relay that exited,
+-- or whose lease expired (a hung relay), are taken like free ones. Writes only when something
+-- changes hands or a lease is renewed.
+CREATE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
+RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
--- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
--- which takes longer than running them: never JIT them.
 SET jit = off
--- A queue table's statistics are stale by nature (ANALYZE may run when almost nothing is pending).
--- Trusting an estimate of one pending row, the planner can choose to read every undelivered row
--- and sort them by id. Without sorts, the only plans left walk the pending index in id order and
--- stop at the batch size, whatever the estimates say. (The window below still sorts the batch
--- itself: it has no other way to, and the candidates are materialized first.)
-SET enable_sort = off
--- Likewise every probe goes through an index, even when an ANALYZE counted no rows.
-SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    held_by_relays bigint[];
+    held_now integer;
 BEGIN
-    -- Held to commit: no relay claims between our reading of its claims and our commit.
-    PERFORM outbox._lock_for_claim();
-    held_by_relays := outbox._relay_claims();
+    SELECT count(*) INTO held_now FROM outbox.shards s WHERE s.claimed_by = relay_pid;
+    IF held_now > share THEN
+        UPDATE outbox.shards s SET claimed_by = NULL, claimed_at = NULL
+         WHERE s.shard IN (SELECT m.shard FROM outbox.shards m WHERE m.claimed_by = relay_pid ORDER BY m.shard OFFSET share);
+    ELSIF held_now < share THEN
+        UPDATE outbox.shards s SET claimed_by = relay_pid, claimed_at = clock_timestamp()
+         WHERE s.shard IN (
+                SELECT f.shard
+                  FROM outbox.shards f
+                 WHERE f.claimed_by IS NULL
+                    OR (f.claimed_by <> relay_pid
+                        AND (f.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
+                             OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(f.claimed_by))))
+                 ORDER BY f.shard
+                 LIMIT share - held_now
+                   FOR UPDATE SKIP LOCKED);
+    END IF;
+    UPDATE outbox.shards s SET claimed_at = clock_timestamp()
+     WHERE s.claimed_by = relay_pid AND s.claimed_at < clock_timestamp() - (lease_ms / 3) * interval '1 millisecond';
     RETURN QUERY
-        WITH candidates AS MATERIALIZED (
-            SELECT m.id, m.aggregate_type, m.aggregate_id, m.aggregate_seq
-              FROM outbox.messages m
-             WHERE m.status = 'pending'
-               AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
-               AND m.id <> ALL (held_by_relays)
-               -- Step 1. Under NOT in_order OR, the probe stays a per-row index probe: written as
-               -- a plain NOT EXISTS the planner may turn it into an anti-join over the whole table.
-               AND (NOT in_order OR NOT EXISTS (
-                       SELECT 1
-                         FROM outbox.messages e
-                        WHERE e.aggregate_type = m.aggregate_type
-                          AND e.aggregate_id = m.aggregate_id
-                          AND e.aggregate_seq < m.aggregate_seq
-                          AND (e.status IN ('publishing', 'failed') OR (e.status = 'pending' AND e.available_at IS NOT NULL))
-                          AND NOT (e.status = 'pending' AND e.available_at <= clock_timestamp())))
-             ORDER BY m.id
-             LIMIT batch_size
-               FOR UPDATE SKIP LOCKED
-        ),
-        -- Step 2. aggregate_seq - rank is the same for every event of a run without gaps.
-        runs AS MATERIALIZED (
-            SELECT c.id, c.aggregate_type, c.aggregate_id, c.aggregate_seq,
-                   c.aggregate_seq - row_number() OVER w + 1 AS run_start,
-                   first_value(c.aggregate_seq) OVER w AS first_seq
-              FROM candidates c
-            WINDOW w AS (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.aggregate_seq)
-        ),
-        ready AS (
-            SELECT r.aggregate_type, r.aggregate_id
-              FROM runs r
-             WHERE r.aggregate_seq = r.first_seq
-               AND NOT EXISTS (
-                       SELECT 1
-                         FROM outbox.messages e
-                        WHERE e.aggregate_type = r.aggregate_type
-                          AND e.aggregate_id = r.aggregate_id
-                          AND e.aggregate_seq < r.first_seq
-                          AND e.status IN ('pending', 'publishing', 'failed'))
-        ),
-        claimable AS (
-            SELECT c.id
-              FROM candidates c
-             WHERE NOT in_order
-            UNION ALL
-            SELECT r.id
-              FROM runs r
-              JOIN ready USING (aggregate_type, aggregate_id)
-             WHERE in_order AND r.run_start = r.first_seq
-        )
-        UPDATE outbox.messages m
-           SET status = 'publishing',
-               claimed_at = clock_timestamp(),
-               claimed_by = pg_backend_pid(),
-               attempts = m.attempts + (m.attempts < 2147483647)::integer
-          FROM claimable c
-         WHERE m.id = c.id
-        RETURNING m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
-                  m.payload::text, m.headers::text, m.stream,
-                  to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"');
+        SELECT s.shard, s.cursor::text, (extract(epoch FROM clock_timestamp() - s.cursor_at) * 1000)::bigint
+          FROM outbox.shards s WHERE s.claimed_by = relay_pid ORDER BY s.shard;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._claim_batch(integer, boolean) IS
-    'Relay internal: claims up to batch_size pending events (oldest first, FOR UPDATE SKIP LOCKED, per-aggregate order when in_order) and returns them ready to publish';
-
--- The relay workers' claim, step 1 (see above), read without writing or locking anything: up to
--- batch_size pending rows, oldest first, none blocked by an earlier event of its aggregate. The
--- caller holds the claim lock and has read the other relays' claims before this statement's
--- snapshot; it drops the rows they hold (with the rest of those aggregates' runs), does step 2
--- (cutting runs at gaps in Rust, then _relay_waiting), and records its own rows in shared memory
--- before committing (src/worker/tick.rs). batch_size is raised by the caller by the number of rows
--- held elsewhere, which may come back and be dropped.
-CREATE FUNCTION outbox._relay_batch(batch_size integer, in_order boolean DEFAULT true)
+-- One shard's batch: the events of the transactions visible in upto and not in its cursor, oldest
+-- transaction first. Transactions that were running when the cursor was taken are found through
+-- the cursor's in-progress list, the others through the range from the cursor's xmax, so a long
+-- transaction never makes a batch rescan what was consumed after it began. The range part stops
+-- after max_events rows (the caller cuts the batch at a transaction boundary, see src/worker/tick.rs).
+CREATE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
 RETURNS TABLE (
+    txid           bigint,
     id             bigint,
     event_id       text,
     aggregate_type text,
     aggregate_id   text,
-    aggregate_seq  bigint,
     event_type     text,
     payload        text,
     headers        text,
@@ -157,261 +74,360 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
--- As for _claim_batch: never JIT, never sort or scan the table (stale statistics must not change
--- the plan).
 SET jit = off
+-- Index scans of (shard, txid) merged in txid order, whatever the statistics say: never a sort of
+-- the whole window, never a sequential scan of the log.
+SET enable_seqscan = off
 SET enable_sort = off
+SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    running xid8[] := ARRAY(SELECT pg_catalog.pg_snapshot_xip(cursor));
+BEGIN
+    IF cardinality(running) > 0 THEN
+        RETURN QUERY
+            SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type,
+                   e.payload::text, e.headers::text, e.stream,
+                   to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+              FROM outbox.events e
+             WHERE e.shard = the_shard
+               AND e.txid = ANY (running)
+               AND pg_catalog.pg_visible_in_snapshot(e.txid, upto);
+    END IF;
+    RETURN QUERY
+        SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type,
+               e.payload::text, e.headers::text, e.stream,
+               to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+          FROM outbox.events e
+         WHERE e.shard = the_shard
+           AND e.txid >= pg_catalog.pg_snapshot_xmax(cursor)
+           AND e.txid < pg_catalog.pg_snapshot_xmax(upto)
+           AND pg_catalog.pg_visible_in_snapshot(e.txid, upto)
+         ORDER BY e.txid
+         LIMIT max_events;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) IS
+    'Relay internal: the events of one shard that became visible between its cursor and upto, oldest transaction first';
+
+-- The cursor that consumes, of snapshot upto, only the transactions below bound: what a batch cut
+-- at a transaction boundary consumes. Every transaction below bound is visible in it exactly when
+-- it is visible in upto; none from bound on is.
+CREATE FUNCTION outbox._cursor_below(upto pg_snapshot, bound bigint)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT least(pg_snapshot_xmin(upto)::text::bigint, bound)::text || ':' || bound::text || ':'
+           || array_to_string(ARRAY(SELECT x FROM pg_snapshot_xip(upto) AS x WHERE x::text::bigint < bound ORDER BY x), ',')
+$fn$;
+
+-- The last aggregate_seq of each of these aggregates (1-based positions; absent: none yet). One
+-- primary-key probe per aggregate.
+CREATE FUNCTION outbox._counters(aggregate_types text[], aggregate_ids text[])
+RETURNS TABLE (ordinal bigint, last_seq bigint)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
 SET enable_seqscan = off
 AS $fn$
 #variable_conflict use_column
 BEGIN
-    -- The output columns are read by the same index scan that picks the rows: a second join back
-    -- to the table would be at the mercy of the (stale) statistics again.
     RETURN QUERY
-        SELECT m.id, m.event_id::text, m.aggregate_type, m.aggregate_id, m.aggregate_seq, m.event_type,
-               m.payload::text, m.headers::text, m.stream,
-               to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-          FROM outbox.messages m
-         WHERE m.status = 'pending'
-           AND (m.available_at IS NULL OR m.available_at <= clock_timestamp())
-           AND (NOT in_order OR NOT EXISTS (
-                   SELECT 1
-                     FROM outbox.messages e
-                    WHERE e.aggregate_type = m.aggregate_type
-                      AND e.aggregate_id = m.aggregate_id
-                      AND e.aggregate_seq < m.aggregate_seq
-                      AND (e.status IN ('publishing', 'failed') OR (e.status = 'pending' AND e.available_at IS NOT NULL))
-                      AND NOT (e.status = 'pending' AND e.available_at <= clock_timestamp())))
-         ORDER BY m.id
-         LIMIT batch_size;
-END
-$fn$;
-
-COMMENT ON FUNCTION outbox._relay_batch(integer, boolean) IS
-    'Relay internal: reads up to batch_size pending events not blocked by an earlier event of their aggregate (oldest first) without writing; see _relay_waiting';
-
--- The relay workers' claim, step 2: given the first event of each aggregate's run in a batch,
--- returns the positions (1-based) of the aggregates that must wait, because an earlier event of
--- theirs is still undelivered. One index probe per aggregate.
-CREATE FUNCTION outbox._relay_waiting(aggregate_types text[], aggregate_ids text[], first_seqs bigint[])
-RETURNS SETOF bigint
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET jit = off
--- A probe per aggregate through messages_undelivered_idx, whatever the statistics say.
-SET enable_seqscan = off
-AS $fn$
-BEGIN
-    -- A LATERAL probe per aggregate: the planner cannot turn it around into a scan of the table
-    -- joined to the list, which stale statistics (an ANALYZE that counted no rows) would favour.
-    RETURN QUERY
-        SELECT h.position
-          FROM unnest(aggregate_types, aggregate_ids, first_seqs) WITH ORDINALITY
-               AS h(aggregate_type, aggregate_id, first_seq, position)
+        SELECT a.ordinal, c.last_seq
+          FROM unnest(aggregate_types, aggregate_ids) WITH ORDINALITY AS a(aggregate_type, aggregate_id, ordinal)
          CROSS JOIN LATERAL (
-                   SELECT 1
-                     FROM outbox.messages e
-                    WHERE e.aggregate_type = h.aggregate_type
-                      AND e.aggregate_id = h.aggregate_id
-                      AND e.aggregate_seq < h.first_seq
-                      AND e.status IN ('pending', 'publishing', 'failed')
-                    LIMIT 1) AS earlier;
+                   SELECT g.last_seq FROM outbox.aggregates g
+                    WHERE g.aggregate_type = a.aggregate_type COLLATE "C" AND g.aggregate_id = a.aggregate_id COLLATE "C") c;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._relay_waiting(text[], text[], bigint[]) IS
-    'Relay internal: which of these aggregates have an event below first_seq still undelivered (1-based positions)';
+-- Which of these aggregates have events on the failure path (waiting or failed in outbox.held):
+-- their new events must wait behind those. 1-based positions.
+CREATE FUNCTION outbox._held_aggregates(aggregate_types text[], aggregate_ids text[], shards smallint[])
+RETURNS SETOF bigint
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM outbox.held h WHERE h.shard = ANY (shards) AND h.status IN ('waiting', 'failed')) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        SELECT a.position
+          FROM unnest(aggregate_types, aggregate_ids) WITH ORDINALITY AS a(aggregate_type, aggregate_id, position)
+         WHERE EXISTS (SELECT 1 FROM outbox.held h
+                        WHERE h.shard = ANY (shards)
+                          AND h.aggregate_type = a.aggregate_type COLLATE "C" AND h.aggregate_id = a.aggregate_id COLLATE "C"
+                          AND h.status IN ('waiting', 'failed'));
+END
+$fn$;
 
--- Settles rows that Redis accepted: rows a session claimed (publishing) and rows a relay claimed in
--- shared memory (still pending; their attempt is counted here, since their claim wrote nothing).
-CREATE FUNCTION outbox._mark_published(ids bigint[])
+-- Held events that may go now, in these shards: in per-aggregate order, each aggregate's waiting
+-- events up to the first one that is backing off or failed (with in_order; without, every waiting
+-- event that is not backing off).
+CREATE FUNCTION outbox._held_due(shards smallint[], max_events integer, in_order boolean DEFAULT true)
+RETURNS TABLE (
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    aggregate_seq  bigint,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        WITH undelivered AS MATERIALIZED (
+            SELECT h.*,
+                   bool_or(h.status = 'failed' OR coalesce(h.available_at > clock_timestamp(), false))
+                       OVER (PARTITION BY h.aggregate_type, h.aggregate_id ORDER BY h.aggregate_seq
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS blocked
+              FROM outbox.held h
+             WHERE h.shard = ANY (shards) AND h.status IN ('waiting', 'failed')
+        )
+        SELECT u.id, u.event_id::text, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
+               u.payload::text, u.headers::text, u.stream,
+               to_char(u.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+          FROM undelivered u
+         WHERE u.status = 'waiting'
+           AND (CASE WHEN in_order THEN NOT u.blocked ELSE (u.available_at IS NULL OR u.available_at <= clock_timestamp()) END)
+         ORDER BY u.id
+         LIMIT max_events;
+END
+$fn$;
+
+-- Moves events from the log to the failure path, with the aggregate_seq they were given: an event
+-- Redis rejected (error set: backing off, or failed at max_attempts) and the events of its
+-- aggregate that wait behind it (error NULL). Copies every column, so that retention may truncate
+-- the log under them. Returns how many became failed.
+CREATE FUNCTION outbox._hold(event_ids uuid[], seqs bigint[], errors text[], max_attempts integer, retry_delay_ms integer)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
--- Settling must look rows up by primary key, whatever the statistics say: with stale statistics
--- the planner otherwise hashed every undelivered row, walked the whole undelivered index per batch,
--- or compared every row with every id in a nested loop (docs/performance.md, "Findings"). So there
--- is no join at all: the ids
--- are an index condition on the primary key (id = ANY: the btree sorts the array and descends
--- once per id), sequential scans are ruled out, and the status test is written NOT IN so that it
--- implies no partial index's predicate (status IN (...) would make the pending and undelivered
--- indexes usable): only the primary key is left to find the rows.
 SET enable_seqscan = off
 AS $fn$
 DECLARE
-    affected bigint;
+    failed bigint;
 BEGIN
-    WITH settled AS (
-        UPDATE outbox.messages m
-           SET status = 'published', published_at = clock_timestamp(), last_error = NULL,
-               attempts = m.attempts + (m.status = 'pending' AND m.attempts < 2147483647)::integer
-         WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
-        RETURNING 1
+    WITH held AS (
+        INSERT INTO outbox.held AS h (id, event_id, shard, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                      payload, headers, stream, created_at, status, attempts, rejections,
+                                      available_at, failed_at, last_error)
+        SELECT e.id, e.event_id, e.shard, e.aggregate_type, e.aggregate_id, x.seq, e.event_type, e.payload,
+               e.headers, e.stream, e.created_at,
+               CASE WHEN x.error IS NOT NULL AND max_attempts <= 1 THEN 'failed' ELSE 'waiting' END,
+               (x.error IS NOT NULL)::integer,
+               (x.error IS NOT NULL)::integer,
+               CASE WHEN x.error IS NOT NULL THEN clock_timestamp() + retry_delay_ms * interval '1 millisecond' END,
+               CASE WHEN x.error IS NOT NULL AND max_attempts <= 1 THEN clock_timestamp() END,
+               x.error
+          FROM unnest(event_ids, seqs, errors) AS x(event_id, seq, error)
+         CROSS JOIN LATERAL (SELECT * FROM outbox.events v WHERE v.event_id = x.event_id LIMIT 1) e
+        ON CONFLICT (id) DO NOTHING
+        RETURNING h.status
     )
-    SELECT count(*) INTO affected FROM settled;
-    RETURN affected;
+    SELECT count(*) FILTER (WHERE status = 'failed') INTO failed FROM held;
+    RETURN failed;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._mark_published(bigint[]) IS
-    'Relay internal: marks claimed events published after Redis accepted them';
-
--- Rows Redis rejected because of the row itself (e.g. WRONGTYPE): count the rejection, back the row
--- off (doubling from retry_delay_ms, at most 5 minutes), and dead-letter it at max_attempts.
--- Returns how many rows became failed.
-CREATE FUNCTION outbox._reject(ids bigint[], error text, max_attempts integer, retry_delay_ms integer)
+-- Settles held events after a publish: published ones are done; rejected ones count the rejection,
+-- back off (doubling from retry_delay_ms, at most 5 minutes) and fail at max_attempts. Counters
+-- saturate: an overflow here would stall the relay on the row forever. Returns how many failed.
+CREATE FUNCTION outbox._settle_held(published_ids bigint[], rejected_ids bigint[], errors text[],
+                                    max_attempts integer, retry_delay_ms integer)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
--- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
--- which takes longer than running them: never JIT them.
 SET jit = off
--- Primary-key probes only, as in _mark_published (and its status test is written NOT IN likewise).
 SET enable_seqscan = off
 AS $fn$
 DECLARE
-    affected bigint;
+    failed bigint;
 BEGIN
+    UPDATE outbox.held h
+       SET status = 'published', published_at = clock_timestamp(), last_error = NULL, available_at = NULL,
+           attempts = h.attempts + (h.attempts < 2147483647)::integer
+     WHERE h.id = ANY (published_ids) AND h.status = 'waiting';
     WITH rejected AS (
-        UPDATE outbox.messages m
-           -- Counters saturate: an overflow error here would stall the relay on this row forever.
-           SET rejections = m.rejections + (m.rejections < 2147483647)::integer,
-               attempts = m.attempts + (m.status = 'pending' AND m.attempts < 2147483647)::integer,
-               last_error = error,
-               status = CASE WHEN m.rejections::bigint + 1 >= max_attempts THEN 'failed' ELSE 'pending' END,
-               failed_at = CASE WHEN m.rejections::bigint + 1 >= max_attempts THEN clock_timestamp() END,
+        UPDATE outbox.held h
+           SET rejections = h.rejections + (h.rejections < 2147483647)::integer,
+               attempts = h.attempts + (h.attempts < 2147483647)::integer,
+               last_error = x.error,
+               status = CASE WHEN h.rejections::bigint + 1 >= max_attempts THEN 'failed' ELSE 'waiting' END,
+               failed_at = CASE WHEN h.rejections::bigint + 1 >= max_attempts THEN clock_timestamp() END,
                available_at = clock_timestamp()
-                              + least(retry_delay_ms * power(2, least(m.rejections, 20)), 300000) * interval '1 millisecond',
-               claimed_at = NULL,
-               claimed_by = NULL
-         WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
-        RETURNING m.status
+                              + least(retry_delay_ms * power(2, least(h.rejections, 20)), 300000) * interval '1 millisecond'
+          FROM unnest(rejected_ids, errors) AS x(id, error)
+         WHERE h.id = x.id AND h.status = 'waiting'
+        RETURNING h.status
     )
-    SELECT count(*) FILTER (WHERE status = 'failed') INTO affected FROM rejected;
-    RETURN affected;
+    SELECT count(*) FILTER (WHERE status = 'failed') INTO failed FROM rejected;
+    RETURN failed;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._reject(bigint[], text, integer, integer) IS
-    'Relay internal: records a rejection by Redis of these events, backs them off, dead-letters those at max_attempts';
-
--- Returns claimed rows to pending (or leaves a relay's there), recording why the publish failed.
-CREATE FUNCTION outbox._release(ids bigint[], error text)
-RETURNS bigint
+-- Finishes a batch: advances the counters of the aggregates it consumed, and each shard's cursor,
+-- for shards this relay still holds (a shard taken over after this relay's lease expired raises, so
+-- the whole finish rolls back and the new holder publishes the batch again: a duplicate, never a
+-- gap). Records a tick (for published_at) per shard at most about once a second.
+CREATE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
+                                aggregate_types text[], aggregate_ids text[], last_seqs bigint[])
+RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
--- Primary-key probes only, as in _mark_published (and its status test is written NOT IN likewise).
 SET enable_seqscan = off
 AS $fn$
 DECLARE
-    affected bigint;
+    advanced integer;
 BEGIN
-    WITH released AS (
-        UPDATE outbox.messages m
-           SET status = 'pending', claimed_at = NULL, claimed_by = NULL, last_error = error,
-               attempts = m.attempts + (m.status = 'pending' AND m.attempts < 2147483647)::integer
-         WHERE m.id = ANY (ids) AND m.status NOT IN ('published', 'failed', 'skipped')
+    IF cardinality(aggregate_types) > 0 THEN
+        INSERT INTO outbox.aggregates AS a (aggregate_type, aggregate_id, last_seq)
+        SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs) AS x(t, i, s)
+        ON CONFLICT ON CONSTRAINT aggregates_pkey DO UPDATE SET last_seq = greatest(a.last_seq, excluded.last_seq);
+    END IF;
+    WITH moved AS (
+        UPDATE outbox.shards s
+           SET cursor = x.cursor::pg_snapshot, cursor_at = clock_timestamp()
+          FROM unnest(shards, cursors) AS x(shard, cursor)
+         WHERE s.shard = x.shard AND s.claimed_by = relay_pid
+        RETURNING s.shard, s.cursor
+    ), ticked AS (
+        INSERT INTO outbox.ticks (shard, cursor, at)
+        SELECT m.shard, m.cursor, clock_timestamp()
+          FROM moved m
+         WHERE NOT EXISTS (SELECT 1 FROM outbox.ticks t
+                            WHERE t.shard = m.shard AND t.at > clock_timestamp() - interval '1 second')
         RETURNING 1
     )
-    SELECT count(*) INTO affected FROM released;
-    RETURN affected;
+    SELECT count(*) INTO advanced FROM moved;
+    IF advanced < cardinality(shards) THEN
+        RAISE EXCEPTION 'outbox_pg: relay % no longer holds all of shards %; another relay took them over', relay_pid, shards
+            USING ERRCODE = 'lock_not_available',
+                  HINT = 'The relay''s lease expired (outbox.lease) while it was publishing; the new holder publishes the batch again.';
+    END IF;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._release(bigint[], text) IS
-    'Relay internal: returns claimed events to pending after a failed publish, recording the error';
-
--- Returns to pending every claim whose lease expired (its relay hung or lost its connection) or
--- whose claimer is no longer running (it crashed, was killed, or the server restarted). Attempts
--- are kept. Only rows in `publishing` are looked at, through their partial index.
-CREATE FUNCTION outbox._reap_expired(lease_ms integer)
+-- The reaper: frees the shards of relays that exited or whose lease expired, so that the others
+-- take them at their next round. Returns how many.
+CREATE FUNCTION outbox._reap_shards(lease_ms integer)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
 AS $fn$
 DECLARE
-    affected bigint;
+    reaped bigint;
 BEGIN
-    WITH reaped AS (
-        UPDATE outbox.messages m
-           SET status = 'pending',
-               claimed_at = NULL,
-               claimed_by = NULL,
-               last_error = CASE WHEN m.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
-                                 THEN 'claim lease expired before the publish was settled'
-                                 WHEN m.claimed_at IS NULL OR m.claimed_by IS NULL
-                                 THEN 'the claim did not record when or by whom it was made'
-                                 ELSE 'the claiming process exited before the publish was settled' END
-         WHERE m.status = 'publishing'
-           -- A claim that does not say when or by whom (CHECK messages_claim_recorded forbids it,
-           -- but a superuser can write anything) could never expire: return it too.
-           AND (m.claimed_at IS NULL OR m.claimed_by IS NULL
-                OR m.claimed_at < now() - lease_ms * interval '1 millisecond'
-                OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(m.claimed_by)))
-        RETURNING 1
-    )
-    SELECT count(*) INTO affected FROM reaped;
-    RETURN affected;
+    UPDATE outbox.shards s SET claimed_by = NULL, claimed_at = NULL
+     WHERE s.claimed_by IS NOT NULL
+       AND (s.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
+            OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(s.claimed_by)));
+    GET DIAGNOSTICS reaped = ROW_COUNT;
+    RETURN reaped;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._reap_expired(integer) IS
-    'Relay internal: returns to pending the claims whose lease expired or whose claiming process exited';
-
--- The relay's retention step: one small batch of the oldest expired published rows, and of the
--- oldest expired consumer dedup marks.
-CREATE FUNCTION outbox._purge_batch(retention_s integer, batch_size integer)
+-- Retention, one step per call, each a few statements: closes a switched table once no writer can
+-- be left on it, truncates a closed table that every shard has consumed and that is older than
+-- keep, switches to a new table when the current one is older than half of keep, and deletes done
+-- rows of the failure path, old ticks and old dedup marks. The TRUNCATE waits at most 100 ms for
+-- its lock (readers hold the tables for a moment each round) and is retried at the next call.
+-- Returns the number of events and rows removed.
+CREATE FUNCTION outbox._retention(keep interval, switch_now boolean DEFAULT false)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
--- Generic plans of these batch statements look costly enough to be JIT-compiled on every call,
--- which takes longer than running them: never JIT them.
 SET jit = off
--- Oldest first through the published-by-time index, never a sort of every expired row (see
--- _claim_batch: stale statistics must not change the plan).
-SET enable_sort = off
 AS $fn$
 DECLARE
-    affected bigint;
+    removed bigint := 0;
+    n bigint;
+    g record;
+    oldest_cursor_xmin xid8;
 BEGIN
-    WITH expired AS (
-        SELECT m.id
-          FROM outbox.messages m
-         WHERE m.status IN ('published', 'skipped')
-           -- now(), not clock_timestamp(): a stable bound can drive the index scan, a volatile one
-           -- would filter every published row.
-           AND m.published_at < now() - retention_s * interval '1 second'
-         ORDER BY m.published_at
-         LIMIT batch_size
-    ), purged AS (
-        DELETE FROM outbox.messages m USING expired e WHERE m.id = e.id RETURNING 1
-    ), expired_marks AS (
-        SELECT p.consumer, p.event_id
-          FROM outbox.processed_messages p
-         WHERE p.processed_at < now() - retention_s * interval '1 second'
-         ORDER BY p.processed_at
-         LIMIT batch_size
-    ), purged_marks AS (
-        DELETE FROM outbox.processed_messages p USING expired_marks x
-         WHERE p.consumer = x.consumer AND p.event_id = x.event_id
-        RETURNING 1
-    )
-    SELECT greatest((SELECT count(*) FROM purged), (SELECT count(*) FROM purged_marks)) INTO affected;
-    RETURN affected;
+    -- Close: a snapshot taken after the switch committed bounds every writer of the table (each
+    -- took its transaction id before reading which table is current). Never in the switching
+    -- transaction itself, which no writer has seen committed.
+    UPDATE outbox.generations SET state = 'closed', closed_below = pg_snapshot_xmax(pg_current_snapshot())
+     WHERE state = 'closing' AND pg_xact_status(switched_by) = 'committed';
+
+    -- Truncate what every shard has consumed.
+    SELECT min(pg_snapshot_xmin(s.cursor)) INTO oldest_cursor_xmin FROM outbox.shards s;
+    FOR g IN SELECT * FROM outbox.generations
+              WHERE state = 'closed' AND closed_below <= oldest_cursor_xmin
+                AND (switch_now OR closed_at < clock_timestamp() - keep)
+              ORDER BY closed_at LOOP
+        BEGIN
+            SET LOCAL lock_timeout = '100ms';
+            EXECUTE format('SELECT count(*) FROM outbox.events_%s', g.generation) INTO n;
+            EXECUTE format('TRUNCATE outbox.events_%s', g.generation);
+            UPDATE outbox.generations
+               SET state = 'empty', opened_at = NULL, closed_at = NULL, closed_below = NULL, switched_by = NULL
+             WHERE generation = g.generation;
+            removed := removed + n;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- readers in the way: next time
+        END;
+    END LOOP;
+
+    -- Switch: the next table must be empty (truncated) first; switch_now (purge) only switches away
+    -- from a table that holds events.
+    UPDATE outbox.generations SET state = 'closing', closed_at = clock_timestamp(), switched_by = pg_current_xact_id()
+     WHERE state = 'current'
+       AND ((switch_now AND EXISTS (SELECT 1 FROM outbox.events e WHERE e.generation = outbox.generations.generation))
+            OR (keep > interval '0' AND opened_at < clock_timestamp() - keep / 2))
+       AND EXISTS (SELECT 1 FROM outbox.generations n
+                    WHERE n.generation = (outbox.generations.generation + 1) % 3 AND n.state = 'empty');
+    IF FOUND THEN
+        UPDATE outbox.generations SET state = 'current', opened_at = clock_timestamp()
+         WHERE generation = (SELECT (generation + 1) % 3 FROM outbox.generations WHERE state = 'closing'
+                              ORDER BY closed_at DESC LIMIT 1);
+    END IF;
+
+    -- The failure path's done rows, old ticks (the oldest still needed: the oldest event's), dedup marks.
+    DELETE FROM outbox.held h WHERE h.status IN ('published', 'skipped') AND h.published_at < now() - keep;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    removed := removed + n;
+    DELETE FROM outbox.ticks t
+     WHERE t.at < least(now() - keep, coalesce((SELECT min(opened_at) FROM outbox.generations WHERE opened_at IS NOT NULL), now()))
+       AND EXISTS (SELECT 1 FROM outbox.ticks u WHERE u.shard = t.shard AND u.at > t.at);
+    DELETE FROM outbox.processed_messages p WHERE p.processed_at < now() - keep;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    removed := removed + n;
+    RETURN removed;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._purge_batch(integer, integer) IS
-    'Relay internal: deletes one batch of published events older than outbox.retention';
+COMMENT ON FUNCTION outbox._retention(interval, boolean) IS
+    'Relay internal: one retention step: close, truncate and switch the event tables, delete done failure-path rows, old ticks and dedup marks';
 
-REVOKE ALL ON FUNCTION outbox._reap_expired(integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._reject(bigint[], text, integer, integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._claim_batch(integer, boolean) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._relay_batch(integer, boolean) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._relay_waiting(text[], text[], bigint[]) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._mark_published(bigint[]) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._release(bigint[], text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._purge_batch(integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._initial_cursor() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._cursor_below(pg_snapshot, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._counters(text[], text[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._held_due(smallint[], integer, boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._hold(uuid[], bigint[], text[], integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._settle_held(bigint[], bigint[], text[], integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._reap_shards(integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._retention(interval, boolean) FROM PUBLIC;
+GRANT SELECT ON outbox.events TO outbox_admin;

@@ -66,57 +66,153 @@ BEGIN
 END
 $roles$;
 
-CREATE TABLE outbox.messages (
-    -- Ascending, but not commit order: a lower id can commit after a higher one.
-    id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    -- Stable identity of the event, sent in every stream entry so consumers can deduplicate.
-    event_id       uuid        NOT NULL UNIQUE,
-    -- Identifiers compare byte-wise (COLLATE "C"): cheaper in every index probe and lock-step with
-    -- how Redis sees keys; their sort order is not meant for humans.
-    aggregate_type text        COLLATE "C" NOT NULL CHECK (aggregate_type <> ''),
-    aggregate_id   text        COLLATE "C" NOT NULL CHECK (aggregate_id <> ''),
-    -- 1, 2, 3, ... per (aggregate_type, aggregate_id), gap-free in commit order; sent with the entry.
-    aggregate_seq  bigint      NOT NULL CHECK (aggregate_seq > 0),
-    event_type     text        NOT NULL CHECK (event_type <> ''),
-    payload        jsonb       NOT NULL,
-    headers        jsonb       CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object'),
-    -- Explicit stream for this event; NULL means "use the outbox.stream template".
-    stream         text        CHECK (stream IS NULL OR octet_length(stream) BETWEEN 1 AND 512),
-    status         text        NOT NULL DEFAULT 'pending'
-                               CHECK (status IN ('pending', 'publishing', 'published', 'failed', 'skipped')),
-    created_at     timestamptz NOT NULL DEFAULT clock_timestamp(),
-    claimed_at     timestamptz,
-    -- A session's claim (outbox._claim_batch): when, and its process id, to return claims of one
-    -- that exited or whose lease expired. Relays keep their claims in shared memory instead.
-    claimed_by     integer,
-    published_at   timestamptz,
-    -- Not before this time (per-event backoff after Redis rejected the event); NULL = at once.
-    available_at   timestamptz,
-    -- Publish attempts so far, whatever the outcome: counted when a relay settles its claim (a
-    -- relay's claim is in shared memory and writes nothing), or when a session claims the row.
-    attempts       integer     NOT NULL DEFAULT 0,
-    -- Attempts Redis rejected because of the event itself; at outbox.max_attempts it is dead-lettered.
-    rejections     integer     NOT NULL DEFAULT 0,
-    failed_at      timestamptz,
-    last_error     text,
-    -- A session's claim always says when and by whom, so that the reaper can return it.
-    CONSTRAINT messages_claim_recorded CHECK (status <> 'publishing' OR (claimed_at IS NOT NULL AND claimed_by IS NOT NULL))
+-- -------------------------------------------------------------------------------------------------
+-- The event log. Events are inserted once and never updated or deleted: the relays keep their
+-- place with a cursor per shard (outbox.shards), and retention truncates whole tables. Three tables
+-- take turns (generations): the current one receives new events; a closed one is truncated once
+-- every shard's cursor has passed all of it and it is older than outbox.retention. See
+-- docs/worker.md, "The log".
+-- -------------------------------------------------------------------------------------------------
+
+-- Ascending across the three tables: within an aggregate, id order is commit order (enqueues of
+-- one aggregate take turns, see outbox._prepare_enqueue), and the relay sends in id order.
+CREATE SEQUENCE outbox.events_id_seq AS bigint;
+
+DO $tables$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE format($ddl$
+            CREATE TABLE outbox.events_%1$s (
+                -- The inserting transaction: a batch is the events whose transactions became
+                -- visible between the shard's cursor and a new snapshot.
+                txid           xid8        NOT NULL,
+                -- hash(aggregate) mod 16: a shard is the unit of work relays claim.
+                shard          smallint    NOT NULL,
+                id             bigint      NOT NULL,
+                -- Stable identity of the event, sent in every stream entry: consumers deduplicate.
+                event_id       uuid        NOT NULL,
+                -- Identifiers compare byte-wise (COLLATE "C"), in lock-step with how Redis sees keys.
+                aggregate_type text        COLLATE "C" NOT NULL,
+                aggregate_id   text        COLLATE "C" NOT NULL,
+                event_type     text        NOT NULL,
+                payload        jsonb       NOT NULL,
+                headers        jsonb,
+                -- Explicit stream for this event; NULL means "use the outbox.stream template".
+                stream         text,
+                created_at     timestamptz NOT NULL
+            ) WITH (
+                -- Insert-only and truncated whole: nothing for vacuum to reclaim. (Anti-wraparound
+                -- vacuums still run; analyze keeps the relays' index plans honest.)
+                autovacuum_vacuum_insert_threshold = -1,
+                autovacuum_analyze_scale_factor = 0.02
+            )$ddl$, generation);
+        -- The relays' only access path: a shard's transactions in txid order.
+        EXECUTE format('CREATE INDEX events_%1$s_batch_idx ON outbox.events_%1$s (shard, txid)', generation);
+        -- Operators' and the failure path's: an event by its event_id.
+        EXECUTE format('CREATE INDEX events_%1$s_event_id_idx ON outbox.events_%1$s (event_id)', generation);
+        EXECUTE format($c$COMMENT ON TABLE outbox.events_%1$s IS
+            'outbox_pg: events written by outbox_enqueue (generation %1$s of 3; read them through outbox.messages)'$c$, generation);
+    END LOOP;
+END
+$tables$;
+
+CREATE TABLE outbox.generations (
+    generation   smallint    PRIMARY KEY CHECK (generation BETWEEN 0 AND 2),
+    -- current: receives new events; closing: switched away from, writers may still be inserting;
+    -- closed: no writer left (closed_below known); empty: truncated, ready to become current.
+    state        text        NOT NULL CHECK (state IN ('current', 'closing', 'closed', 'empty')),
+    opened_at    timestamptz,
+    closed_at    timestamptz,
+    -- The transaction that switched away from this table: it must have committed before a
+    -- snapshot can bound the table's writers.
+    switched_by  xid8,
+    -- Every transaction that may have written to this table began before this txid (the xmax of a
+    -- snapshot taken after the switch committed). A shard whose cursor's xmin has passed it has
+    -- consumed everything in the table.
+    closed_below xid8
 );
+CREATE UNIQUE INDEX generations_one_current ON outbox.generations ((true)) WHERE state = 'current';
+INSERT INTO outbox.generations (generation, state, opened_at)
+VALUES (0, 'current', clock_timestamp()), (1, 'empty', NULL), (2, 'empty', NULL);
+COMMENT ON TABLE outbox.generations IS
+    'outbox_pg: the three event tables'' turns: which one receives events, and when each may be truncated';
 
-COMMENT ON TABLE outbox.messages IS
-    'outbox_pg: events written by outbox_enqueue() in the caller''s transaction; the relay worker publishes committed rows to Redis Streams';
-COMMENT ON COLUMN outbox.messages.id IS 'Ascending identity; the relay publishes oldest first. Not commit order across transactions.';
-COMMENT ON COLUMN outbox.messages.event_id IS 'Stable event identity (UUIDv7), sent as the entry field event_id; consumers deduplicate on it';
-COMMENT ON COLUMN outbox.messages.stream IS 'Explicit Redis stream key; NULL means the outbox.stream template decides';
-COMMENT ON COLUMN outbox.messages.aggregate_seq IS 'Per-aggregate sequence number (1, 2, 3, ...), gap-free in commit order; consumers use it to detect gaps and reordering';
-COMMENT ON COLUMN outbox.messages.status IS 'pending -> published (a relay''s claim is held in shared memory; a session''s claim is publishing); failed (dead letter) until retried or skipped; see docs/worker.md';
-COMMENT ON COLUMN outbox.messages.available_at IS 'Earliest next try after Redis rejected the event (per-event backoff); NULL means now';
-COMMENT ON COLUMN outbox.messages.attempts IS 'Publish attempts, whatever the outcome: counted when a relay settles its claim, or when a session claims the row';
-COMMENT ON COLUMN outbox.messages.rejections IS 'How many times Redis rejected this event because of the event itself; outbox.max_attempts dead-letters it';
-COMMENT ON COLUMN outbox.messages.last_error IS 'Why the last publish attempt failed (Redis error text); NULL once published';
+-- The cursor a new installation starts from: every transaction visible now is consumed, except the
+-- one creating the extension, which may enqueue events itself.
+CREATE FUNCTION outbox._initial_cursor() RETURNS pg_snapshot
+LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $fn$
+    -- The caller's transaction id may be assigned after its snapshot was taken (then it is not
+    -- below the snapshot's xmax): the cursor's xmax is raised above it.
+    WITH now_ AS (SELECT pg_current_xact_id()::text::bigint AS me, pg_current_snapshot() AS snap),
+         bounds AS (SELECT me, snap, least(pg_snapshot_xmin(snap)::text::bigint, me) AS xmin,
+                           greatest(pg_snapshot_xmax(snap)::text::bigint, me + 1) AS xmax FROM now_)
+    SELECT (xmin::text || ':' || xmax::text || ':'
+            || array_to_string(ARRAY(SELECT x FROM (SELECT pg_snapshot_xip(snap)::text::bigint AS x UNION SELECT me) ids
+                                      ORDER BY x), ','))::pg_snapshot
+      FROM bounds
+$fn$;
 
--- The last sequence number handed out per aggregate. One small row per aggregate ever seen; its row
--- lock is what serialises concurrent enqueues of the same aggregate (and only of that aggregate).
+-- The unit of work. A relay claims shards (FOR UPDATE SKIP LOCKED) and keeps them with a lease it
+-- renews; the reaper returns the shards of a relay that exited or whose lease expired.
+CREATE TABLE outbox.shards (
+    shard      smallint    PRIMARY KEY CHECK (shard BETWEEN 0 AND 15),
+    -- Consumed: every transaction visible in this snapshot (its events were published, or moved to
+    -- outbox.held). Moves only when a batch finishes.
+    cursor     pg_snapshot NOT NULL,
+    cursor_at  timestamptz NOT NULL,
+    claimed_by integer,
+    claimed_at timestamptz,
+    CONSTRAINT shards_claim_recorded CHECK ((claimed_by IS NULL) = (claimed_at IS NULL))
+) WITH (fillfactor = 50);
+INSERT INTO outbox.shards (shard, cursor, cursor_at)
+SELECT s, outbox._initial_cursor(), clock_timestamp() FROM generate_series(0, 15) AS s;
+COMMENT ON TABLE outbox.shards IS
+    'outbox_pg: per shard, the relays'' cursor (what is consumed) and which relay holds the shard';
+
+-- When each shard's cursor passed where, at most about once a second per shard: what
+-- outbox.messages reads published_at from (the first tick whose cursor includes the event).
+CREATE TABLE outbox.ticks (
+    shard  smallint    NOT NULL,
+    cursor pg_snapshot NOT NULL,
+    at     timestamptz NOT NULL
+);
+CREATE INDEX ticks_shard_at_idx ON outbox.ticks (shard, at);
+
+-- The failure path: events Redis rejected (with their aggregate's later events waiting behind
+-- them), and events waiting behind those. Written only when something goes wrong; every column of
+-- the event is copied, so that retention may truncate its table.
+CREATE TABLE outbox.held (
+    id            bigint      PRIMARY KEY,
+    event_id      uuid        NOT NULL UNIQUE,
+    shard         smallint    NOT NULL,
+    aggregate_type text       COLLATE "C" NOT NULL,
+    aggregate_id  text        COLLATE "C" NOT NULL,
+    -- Assigned when the event left the log; the entry carries it when it is finally published.
+    aggregate_seq bigint      NOT NULL,
+    event_type    text        NOT NULL,
+    payload       jsonb       NOT NULL,
+    headers       jsonb,
+    stream        text,
+    created_at    timestamptz NOT NULL,
+    -- waiting: to be published (backing off if available_at is set); failed: dead letter, holds its
+    -- aggregate until retried or skipped; published / skipped: done (kept for retention).
+    status        text        NOT NULL DEFAULT 'waiting' CHECK (status IN ('waiting', 'failed', 'published', 'skipped')),
+    attempts      integer     NOT NULL DEFAULT 0,
+    rejections    integer     NOT NULL DEFAULT 0,
+    available_at  timestamptz,
+    failed_at     timestamptz,
+    published_at  timestamptz,
+    last_error    text
+);
+CREATE INDEX held_undelivered_idx ON outbox.held (shard, aggregate_type, aggregate_id, aggregate_seq)
+    WHERE status IN ('waiting', 'failed');
+CREATE INDEX held_done_idx ON outbox.held (published_at) WHERE status IN ('published', 'skipped');
+COMMENT ON TABLE outbox.held IS
+    'outbox_pg: events Redis rejected, dead letters, and the events of their aggregates waiting behind them';
+
+-- The last aggregate_seq handed out per aggregate, advanced when a batch finishes. Kept after
+-- retention, so that numbering never restarts (outbox.forget_aggregates() is the opt-in way out).
 CREATE TABLE outbox.aggregates (
     aggregate_type text   COLLATE "C" NOT NULL,
     aggregate_id   text   COLLATE "C" NOT NULL,
@@ -138,6 +234,9 @@ CREATE TABLE outbox.processed_messages (
 );
 COMMENT ON TABLE outbox.processed_messages IS
     'outbox_pg: events each consumer has processed (consumer-side deduplication); kept for outbox.retention';
+CREATE INDEX processed_messages_processed_at_idx ON outbox.processed_messages (processed_at);
+ALTER TABLE outbox.processed_messages SET (autovacuum_vacuum_scale_factor = 0.02);
+
 -- Who may record under a consumer name: the role that used it first (and that role's members).
 -- Without it any outbox_consumer could mark events processed for another consumer, which would
 -- then skip them. An admin releases a name by deleting its row.
@@ -149,49 +248,27 @@ CREATE TABLE outbox.consumers (
 COMMENT ON TABLE outbox.consumers IS
     'outbox_pg: consumer names and the role that owns each (its first user); only that role and its members may call outbox_mark_processed under the name';
 
-CREATE INDEX processed_messages_processed_at_idx ON outbox.processed_messages (processed_at);
-ALTER TABLE outbox.processed_messages SET (autovacuum_vacuum_scale_factor = 0.02);
-
--- The worker's queries touch only the rows these partial indexes hold, so their cost does not grow
--- with the number of published rows kept for retention.
-CREATE INDEX messages_pending_idx ON outbox.messages (id) WHERE status = 'pending';
-CREATE INDEX messages_publishing_idx ON outbox.messages (claimed_at) WHERE status = 'publishing';
-CREATE INDEX messages_failed_idx ON outbox.messages (id) WHERE status = 'failed';
--- Per-aggregate order, two questions per claim (see _relay_batch):
--- "is an earlier event of this aggregate still undelivered?", asked once per aggregate in a batch;
-CREATE INDEX messages_undelivered_idx ON outbox.messages (aggregate_type, aggregate_id, aggregate_seq)
-    WHERE status IN ('pending', 'publishing', 'failed');
--- "does an earlier event of this aggregate block it?", asked of every pending row the claim reads.
--- Only rows in flight elsewhere, dead-lettered or backing off can block, and the relay's own writes
--- never put a row here (pending -> published), so this index is almost always empty and the probe
--- costs one page, however many events of the aggregate are pending.
-CREATE INDEX messages_blocking_idx ON outbox.messages (aggregate_type, aggregate_id, aggregate_seq)
-    WHERE status IN ('publishing', 'failed') OR (status = 'pending' AND available_at IS NOT NULL);
--- Retention deletes, and the stats read, the oldest and newest published rows through it.
-CREATE INDEX messages_published_idx ON outbox.messages (published_at) WHERE status IN ('published', 'skipped');
-
--- Every row is updated at least twice and later deleted: vacuum it early and often so dead tuples
--- and the partial indexes stay small under sustained load.
-ALTER TABLE outbox.messages SET (
-    autovacuum_vacuum_scale_factor = 0.01,
-    autovacuum_vacuum_insert_scale_factor = 0.01,
-    autovacuum_analyze_scale_factor = 0.02,
-    fillfactor = 90
-);
-
--- pg_dump must keep undelivered events (and the id sequence, so restored ids keep ascending).
-SELECT pg_catalog.pg_extension_config_dump('outbox.messages', 'WHERE status <> ''published''');
-SELECT pg_catalog.pg_extension_config_dump('outbox.messages_id_seq', '');
+-- pg_dump keeps everything: the log (undelivered events among it), cursors, counters, the failure
+-- path. (The events' txid values belong to the dumped cluster; see docs/worker.md, "Dump and
+-- restore".)
+SELECT pg_catalog.pg_extension_config_dump('outbox.events_0', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.events_1', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.events_2', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.events_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.generations', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.shards', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.ticks', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.held', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.aggregates', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.processed_messages', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.consumers', '');
 
 -- Writers get nothing here: they enqueue through outbox_enqueue (SECURITY DEFINER) and cannot read
--- other writers' payloads. Admins read everything and repair through the functions
--- (retry_failed, skip_failed, purge: SECURITY DEFINER), never by writing rows: a hand-written
--- status could hide an event from the relay or mark one published that never was.
+-- other writers' payloads. Admins read everything (outbox.messages, in operations.sql, is the view
+-- to read) and repair through the functions (retry_failed, skip_failed, purge: SECURITY DEFINER),
+-- never by writing rows.
 GRANT USAGE ON SCHEMA outbox TO outbox_admin;
-GRANT SELECT ON outbox.messages TO outbox_admin;
-GRANT SELECT ON outbox.aggregates TO outbox_admin;
+GRANT SELECT ON outbox.events_0, outbox.events_1, outbox.events_2, outbox.generations, outbox.shards,
+                outbox.ticks, outbox.held, outbox.aggregates TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.processed_messages TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.consumers TO outbox_admin;

@@ -142,90 +142,6 @@ fn enqueue_rejects_empty_and_overlong_stream_names() {
     assert_eq!(count_messages(), 1);
 }
 
-#[pg_test]
-fn claim_takes_oldest_pending_first_and_settles() {
-    for i in 0..5 {
-        Spi::run(&format!("SELECT outbox_enqueue('a', '{i}', 'e', '{{\"n\": {i}}}')")).unwrap();
-    }
-    let claimed = Spi::get_one::<String>(
-        "SELECT string_agg(aggregate_id, ',' ORDER BY id) FROM outbox._claim_batch(3, true)",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(claimed, "0,1,2");
-    let states = Spi::get_one::<String>(
-        "SELECT string_agg(status || ':' || attempts, ',' ORDER BY id) FROM outbox.messages",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(states, "publishing:1,publishing:1,publishing:1,pending:0,pending:0");
-    let ids: Vec<i64> = Spi::connect(|c| {
-        c.select("SELECT id FROM outbox.messages WHERE status = 'publishing' ORDER BY id", None, &[])
-            .unwrap()
-            .map(|row| row.get::<i64>(1).unwrap().unwrap())
-            .collect()
-    });
-    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[ids[..2].to_vec().into()]).unwrap(), Some(2));
-    assert_eq!(
-        Spi::get_one_with_args::<i64>("SELECT outbox._release($1, 'boom')", &[vec![ids[2]].into()]).unwrap(),
-        Some(1)
-    );
-    let states = Spi::get_one::<String>(
-        "SELECT string_agg(status || ':' || coalesce(last_error, '-') || ':' || (published_at IS NOT NULL), ',' ORDER BY id)
-           FROM outbox.messages",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(states, "published:-:true,published:-:true,pending:boom:false,pending:-:false,pending:-:false");
-}
-
-#[pg_test]
-fn a_relay_claim_reads_in_order_writes_nothing_and_is_settled_from_pending() {
-    // Aggregate a has two events; b's first is failed, so its second must wait.
-    for (aggregate, n) in [("a", 1), ("b", 1), ("a", 2), ("b", 2), ("c", 1)] {
-        Spi::run(&format!("SELECT outbox_enqueue('t', '{aggregate}', 'e', '{{\"n\": {n}}}')")).unwrap();
-    }
-    Spi::run("UPDATE outbox.messages SET status = 'failed' WHERE aggregate_id = 'b' AND aggregate_seq = 1").unwrap();
-    let read = Spi::get_one::<String>(
-        "SELECT string_agg(aggregate_id || '#' || aggregate_seq, ',' ORDER BY id) FROM outbox._relay_batch(10, true)",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(read, "a#1,a#2,c#1");
-    // The claim wrote nothing: the rows are pending, no attempt counted.
-    let states = Spi::get_one::<String>(
-        "SELECT string_agg(status || ':' || attempts, ',' ORDER BY id) FROM outbox.messages WHERE aggregate_id <> 'b'",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(states, "pending:0,pending:0,pending:0");
-    // The batch size applies after the ordering checks.
-    let read = Spi::get_one::<String>(
-        "SELECT string_agg(aggregate_id || '#' || aggregate_seq, ',' ORDER BY id) FROM outbox._relay_batch(1, true)",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(read, "a#1");
-    // Settling a relay's claim marks pending rows and counts their attempt; a rejection backs off.
-    let ids: Vec<i64> = Spi::connect(|c| {
-        c.select("SELECT id FROM outbox.messages WHERE aggregate_id <> 'b' ORDER BY id", None, &[])
-            .unwrap()
-            .map(|row| row.get::<i64>(1).unwrap().unwrap())
-            .collect()
-    });
-    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[ids[..2].to_vec().into()]).unwrap(), Some(2));
-    Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE', 5, 1000)", &[vec![ids[2]].into()]).unwrap();
-    let states = Spi::get_one::<String>(
-        "SELECT string_agg(status || ':' || attempts || ':' || rejections || ':' || coalesce(available_at > now(), false), ',' ORDER BY id)
-           FROM outbox.messages WHERE aggregate_id <> 'b'",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(states, "published:1:0:false,published:1:0:false,pending:1:1:true");
-    // Nothing is left to claim: c backs off, b waits behind its failed event.
-    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox._claim_batch(10, true)").unwrap(), Some(0));
-}
-
 /// Shared buffers a statement touched (hits and reads), from EXPLAIN (ANALYZE, BUFFERS): a count
 /// of pages, not a time, so it is the same on every machine.
 fn buffers_touched(query: &str) -> i64 {
@@ -247,369 +163,6 @@ fn create_buffers_helper() {
          END $$",
     )
     .unwrap();
-}
-
-/// One aggregate with a long backlog (an account that receives a burst) must cost a claim no more
-/// than many aggregates do. The first claim probed "an earlier event outside the batch?" per row,
-/// walking all earlier pending events of the aggregate each time: n^2/2 index entries per batch,
-/// 15 s per 1,000-event claim with 20,000 events pending for one aggregate. Measured now: about
-/// 2,300 pages for the read and 23,000 for a session's claim of 1,000 events (which writes them);
-/// the per-row probes of the first claim touched hundreds of thousands.
-#[pg_test]
-fn a_claim_of_one_aggregates_backlog_costs_a_few_pages_per_event() {
-    create_buffers_helper();
-    Spi::run("SELECT outbox_enqueue('acct', 'hot', 'e', '{}') FROM generate_series(1, 3000)").unwrap();
-    Spi::run("SELECT outbox_enqueue('acct', 'cold', 'e', '{}')").unwrap();
-    // The relay's read (step 1), then its per-aggregate probe (step 2) for the one aggregate.
-    let read = buffers_touched("SELECT * FROM outbox._relay_batch(1000, true)");
-    assert!(read < 20_000, "reading 1,000 events of one aggregate touched {read} pages");
-    let probe = buffers_touched("SELECT * FROM outbox._relay_waiting(ARRAY['acct'], ARRAY['hot'], ARRAY[1::bigint])");
-    assert!(probe < 200, "one aggregate's probe touched {probe} pages");
-    // A session's claim writes its rows as well (new row versions, index entries).
-    let claim = buffers_touched("SELECT * FROM outbox._claim_batch(1000, true)");
-    assert!(claim < 100_000, "claiming 1,000 events of one aggregate touched {claim} pages");
-    // And it claimed them in order, a run from the aggregate's first event.
-    let claimed = Spi::get_one::<String>(
-        "SELECT min(aggregate_seq) || '..' || max(aggregate_seq) || ':' || count(*)
-           FROM outbox.messages WHERE status = 'publishing' AND aggregate_id = 'hot'",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(claimed, "1..1000:1000");
-}
-
-#[pg_test]
-fn the_relays_probe_names_the_aggregates_with_an_earlier_event_undelivered() {
-    for aggregate in ["a", "a", "a", "b", "c"] {
-        Spi::run(&format!("SELECT outbox_enqueue('t', '{aggregate}', 'e', '{{}}')")).unwrap();
-    }
-    Spi::run("UPDATE outbox.messages SET status = 'published', published_at = now() WHERE aggregate_id = 'a' AND aggregate_seq = 1").unwrap();
-    Spi::run("UPDATE outbox.messages SET status = 'skipped' WHERE aggregate_id = 'c'").unwrap();
-    // a#2 is a's first undelivered event; a#3 has a#2 before it; b#2 and c#2 do not exist but b#1
-    // is undelivered, and c#1 was skipped (delivered as far as order goes).
-    let waiting = Spi::get_one::<String>(
-        "SELECT string_agg(p::text, ',' ORDER BY p)
-           FROM outbox._relay_waiting(ARRAY['t', 't', 't', 't'], ARRAY['a', 'a', 'b', 'c'], ARRAY[2, 3, 2, 2]::bigint[]) AS p",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(waiting, "2,3");
-}
-
-#[pg_test]
-fn claim_formats_created_at_as_rfc3339_utc_with_microseconds() {
-    Spi::run("SET LOCAL timezone = 'America/Sao_Paulo'").unwrap();
-    Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
-    let (created_at, expected) = Spi::get_two::<String, String>(
-        "SELECT c.created_at, to_char(m.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
-           FROM outbox._claim_batch(1, true) c JOIN outbox.messages m ON m.id = c.id",
-    )
-    .unwrap();
-    let created_at = created_at.unwrap();
-    assert_eq!(Some(created_at.clone()), expected);
-    assert_eq!(created_at.len(), "2026-11-29T20:00:00.123456Z".len(), "{created_at}");
-    assert!(created_at.ends_with('Z'));
-}
-
-#[pg_test]
-fn reaper_returns_claims_of_exited_processes_and_expired_leases() {
-    Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
-    Spi::run("SELECT outbox_enqueue('a', 'y', 'e', '{}')").unwrap();
-    Spi::run("SELECT count(*) FROM outbox._claim_batch(2, true)").unwrap();
-    // This session is alive and the lease is long: nothing to reap.
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox._reap_expired(60000)").unwrap(), Some(0));
-    // A claimer pid that no process has, and a claim older than the lease.
-    Spi::run("UPDATE outbox.messages SET claimed_by = 0 WHERE aggregate_id = 'x'").unwrap();
-    Spi::run("UPDATE outbox.messages SET claimed_at = claimed_at - interval '2 minutes' WHERE aggregate_id = 'y'").unwrap();
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox._reap_expired(60000)").unwrap(), Some(2));
-    let states = Spi::get_one::<String>(
-        "SELECT string_agg(status || ':' || attempts || ':' || last_error, ',' ORDER BY id) FROM outbox.messages",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(
-        states,
-        "pending:1:the claiming process exited before the publish was settled,pending:1:claim lease expired before the publish was settled"
-    );
-}
-
-#[pg_test]
-fn schema_is_registered_for_pg_dump_and_indexes_are_partial() {
-    let dumped = Spi::get_one::<String>(
-        "SELECT string_agg(c.relname || ':' || coalesce(cond, ''), ',' ORDER BY c.relname)
-           FROM pg_extension e, unnest(e.extconfig, e.extcondition) AS t(oid, cond)
-           JOIN pg_class c ON c.oid = t.oid
-          WHERE e.extname = 'outbox_pg'",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(dumped, "aggregates:,consumers:,messages:WHERE status <> 'published',messages_id_seq:,processed_messages:");
-    let logged = Spi::get_one::<String>("SELECT relpersistence::text FROM pg_class WHERE oid = 'outbox.messages'::regclass")
-        .unwrap()
-        .unwrap();
-    assert_eq!(logged, "p");
-    let partial = Spi::get_one::<i64>(
-        "SELECT count(*) FROM pg_index WHERE indrelid = 'outbox.messages'::regclass AND indpred IS NOT NULL",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(partial, 6);
-}
-
-fn ids_where(condition: &str) -> Vec<i64> {
-    Spi::connect(|c| {
-        c.select(&format!("SELECT id FROM outbox.messages WHERE {condition} ORDER BY id"), None, &[])
-            .unwrap()
-            .map(|row| row.get::<i64>(1).unwrap().unwrap())
-            .collect()
-    })
-}
-
-fn claim(batch: i32, in_order: bool) -> Vec<String> {
-    Spi::connect_mut(|c| {
-        c.update(
-            "SELECT aggregate_id || '#' || aggregate_seq FROM outbox._claim_batch($1, $2) ORDER BY id",
-            None,
-            &[batch.into(), in_order.into()],
-        )
-        .unwrap()
-        .map(|row| row.get::<String>(1).unwrap().unwrap())
-        .collect()
-    })
-}
-
-#[pg_test]
-fn aggregate_seq_counts_per_aggregate_and_is_sent_with_the_claim() {
-    for (agg, id) in [("a", "1"), ("a", "1"), ("a", "2"), ("b", "1"), ("a", "1")] {
-        Spi::run(&format!("SELECT outbox_enqueue('{agg}', '{id}', 'e', '{{}}')")).unwrap();
-    }
-    let seqs = Spi::get_one::<String>(
-        "SELECT string_agg(aggregate_type || aggregate_id || ':' || aggregate_seq, ',' ORDER BY id) FROM outbox.messages",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(seqs, "a1:1,a1:2,a2:1,b1:1,a1:3");
-    // Unordered claims hand out everything; seq travels with each event.
-    assert_eq!(claim(10, false), ["1#1", "1#2", "2#1", "1#1", "1#3"]);
-}
-
-#[pg_test]
-fn ordered_claim_holds_back_later_events_of_an_aggregate_only() {
-    for i in 1..=3 {
-        Spi::run(&format!("SELECT outbox_enqueue('acc', 'x', 'e{i}', '{{}}')")).unwrap();
-        Spi::run(&format!("SELECT outbox_enqueue('acc', 'y', 'e{i}', '{{}}')")).unwrap();
-    }
-    // A batch cut after x#2 gets x#1..2 and y#1: a run from each aggregate's first undelivered event.
-    assert_eq!(claim(3, true), ["x#1", "y#1", "x#2"]);
-    // While those are publishing, the later events of x and y wait.
-    assert!(claim(10, true).is_empty());
-    // x#1 rejected (backing off), x#2 and y#1 published: y flows, x#3 still waits for x#1.
-    let x = ids_where("aggregate_id = 'x'");
-    let y = ids_where("aggregate_id = 'y'");
-    Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE', 10, 60000)", &[vec![x[0]].into()]).unwrap();
-    Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[vec![x[1], y[0]].into()]).unwrap();
-    assert_eq!(claim(10, true), ["y#2", "y#3"]);
-    // Once x#1 is available again it goes first. x#2 is already delivered, so x#3 is next, but a
-    // gap in a batch's sequence cuts the run there: x#3 follows in the next batch.
-    Spi::run("UPDATE outbox.messages SET available_at = NULL").unwrap();
-    assert_eq!(claim(10, true), ["x#1"]);
-    Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[vec![x[0]].into()]).unwrap();
-    assert_eq!(claim(10, true), ["x#3"]);
-    // Without ordering nothing waits.
-    for i in 4..=5 {
-        Spi::run(&format!("SELECT outbox_enqueue('acc', 'x', 'e{i}', '{{}}')")).unwrap();
-    }
-    assert_eq!(claim(10, false), ["x#4", "x#5"]);
-}
-
-#[pg_test]
-fn a_failed_event_holds_its_aggregate_until_retried_or_skipped() {
-    for i in 1..=3 {
-        Spi::run(&format!("SELECT outbox_enqueue('acc', 'x', 'e{i}', '{{}}')")).unwrap();
-    }
-    Spi::run("SELECT outbox_enqueue('acc', 'z', 'e', '{}')").unwrap();
-    let x = ids_where("aggregate_id = 'x'");
-    assert_eq!(claim(1, true), ["x#1"]);
-    // Two rejections with max_attempts = 2: the second dead-letters it.
-    assert_eq!(
-        Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE x', 2, 1)", &[vec![x[0]].into()]).unwrap(),
-        Some(0)
-    );
-    Spi::run("UPDATE outbox.messages SET available_at = NULL").unwrap();
-    assert_eq!(claim(1, true), ["x#1"]);
-    assert_eq!(
-        Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'WRONGTYPE x', 2, 1)", &[vec![x[0]].into()]).unwrap(),
-        Some(1)
-    );
-    let failed = Spi::get_one::<String>(&format!(
-        "SELECT status || ':' || rejections || ':' || (failed_at IS NOT NULL) || ':' || last_error
-           FROM outbox.messages WHERE id = {}",
-        x[0]
-    ));
-    assert_eq!(failed.unwrap().unwrap(), "failed:2:true:WRONGTYPE x");
-    // x is held back, z is not.
-    assert_eq!(claim(10, true), ["z#1"]);
-    // Retrying puts it back first in line.
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<String>(&format!("SELECT status || attempts || rejections FROM outbox.messages WHERE id = {}", x[0])).unwrap().unwrap(), "pending00");
-    assert_eq!(claim(1, true), ["x#1"]);
-    // Dead-letter it again and skip it: the rest of x flows.
-    Spi::run(&format!("UPDATE outbox.messages SET status = 'failed' WHERE id = {}", x[0])).unwrap();
-    assert!(claim(10, true).is_empty());
-    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox.skip_failed($1)", &[vec![x[0]].into()]).unwrap(), Some(1));
-    assert_eq!(claim(10, true), ["x#2", "x#3"]);
-    let (sqlstate, message) = error_of("SELECT outbox.skip_failed(NULL)");
-    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
-}
-
-#[pg_test]
-fn purge_deletes_only_old_published_and_skipped_rows() {
-    for i in 0..6 {
-        Spi::run(&format!("SELECT outbox_enqueue('p', '{i}', 'e', '{{}}')")).unwrap();
-    }
-    let ids = ids_where("true");
-    // 0,1 published long ago; 2 published now; 3 failed long ago; 4 skipped long ago; 5 pending.
-    Spi::run(&format!(
-        "UPDATE outbox.messages SET status = 'published', published_at = now() - interval '10 days' WHERE id IN ({}, {});
-         UPDATE outbox.messages SET status = 'published', published_at = now() WHERE id = {};
-         UPDATE outbox.messages SET status = 'failed', failed_at = now() - interval '10 days' WHERE id = {};
-         UPDATE outbox.messages SET status = 'skipped', published_at = now() - interval '10 days' WHERE id = {};",
-        ids[0], ids[1], ids[2], ids[3], ids[4]
-    ))
-    .unwrap();
-    // The relay's batched retention takes the oldest first, batch by batch.
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(7 * 86400, 2)").unwrap(), Some(2));
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('7 days')").unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(1));
-    assert_eq!(ids_where("true"), vec![ids[3], ids[5]]);
-    let (sqlstate, _) = error_of("SELECT outbox.purge('-1 day')");
-    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE");
-    let (sqlstate, _) = error_of("SELECT outbox.purge(NULL)");
-    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE");
-}
-
-fn aggregate_counters() -> String {
-    Spi::get_one::<String>(
-        "SELECT coalesce(string_agg(aggregate_id || ':' || last_seq, ',' ORDER BY aggregate_id), '') FROM outbox.aggregates",
-    )
-    .unwrap()
-    .unwrap()
-}
-
-#[pg_test]
-fn retention_keeps_sequence_counters_until_an_admin_forgets_idle_aggregates() {
-    for id in ["a", "a", "b", "c"] {
-        Spi::run(&format!("SELECT outbox_enqueue('f', '{id}', 'e', '{{}}')")).unwrap();
-    }
-    let ids = ids_where("true");
-    // a#1 and b#1 published long ago, a#2 published now, c#1 pending.
-    Spi::run(&format!(
-        "UPDATE outbox.messages SET status = 'published', published_at = now() - interval '10 days' WHERE id IN ({}, {});
-         UPDATE outbox.messages SET status = 'published', published_at = now() WHERE id = {};",
-        ids[0], ids[2], ids[1]
-    ))
-    .unwrap();
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(7 * 86400, 10)").unwrap(), Some(2));
-    // Retention leaves every counter: b, with no event left, still continues at 2.
-    assert_eq!(aggregate_counters(), "a:2,b:1,c:1");
-    Spi::run("SELECT outbox_enqueue('f', 'b', 'e', '{}')").unwrap();
-    assert_eq!(aggregate_counters(), "a:2,b:2,c:1");
-    // Once b's events are gone too, forget_aggregates drops exactly the aggregates with no event
-    // left; b then starts again at 1, a and c are untouched.
-    Spi::run("DELETE FROM outbox.messages WHERE aggregate_id = 'b'").unwrap();
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(1));
-    assert_eq!(aggregate_counters(), "a:2,c:1");
-    Spi::run("SELECT outbox_enqueue('f', 'b', 'e', '{}')").unwrap();
-    assert_eq!(aggregate_counters(), "a:2,b:1,c:1");
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(0));
-}
-
-#[pg_test]
-fn stats_counts_exactly_and_reports_the_oldest_pending_age() {
-    assert_eq!(
-        Spi::get_one::<String>("SELECT concat_ws(',', pending, publishing, failed, oldest_pending_age IS NULL) FROM outbox.stats")
-            .unwrap()
-            .unwrap(),
-        "0,0,0,t"
-    );
-    for i in 0..4 {
-        Spi::run(&format!("SELECT outbox_enqueue('s', '{i}', 'e', '{{}}')")).unwrap();
-    }
-    Spi::run("UPDATE outbox.messages SET created_at = now() - interval '1 hour' WHERE aggregate_id = '0'").unwrap();
-    claim(1, true);
-    let ids = ids_where("status = 'pending'");
-    Spi::run(&format!("UPDATE outbox.messages SET status = 'failed' WHERE id = {}", ids[0])).unwrap();
-    let row = Spi::get_one::<String>(
-        "SELECT concat_ws(',', pending, publishing, failed, oldest_pending_age >= interval '1 hour', redis_connected)
-           FROM outbox.stats",
-    )
-    .unwrap()
-    .unwrap();
-    // The claimed row (created an hour ago) counts as undelivered; this instance has no Redis.
-    assert_eq!(row, "2,1,1,t,f");
-}
-
-#[pg_test]
-fn writers_enqueue_without_reading_and_only_admins_operate() {
-    Spi::run("CREATE ROLE test_writer IN ROLE outbox_writer").unwrap();
-    Spi::run("CREATE ROLE test_admin IN ROLE outbox_admin").unwrap();
-    Spi::run("CREATE ROLE test_nobody").unwrap();
-    Spi::run("GRANT USAGE ON SCHEMA tests TO test_writer, test_admin, test_nobody").unwrap();
-
-    Spi::run("SET LOCAL ROLE test_writer").unwrap();
-    Spi::run("SELECT outbox_enqueue('sec', 1, 'e', '{\"secret\": 1}')").unwrap();
-    for sql in [
-        "SELECT count(*) FROM outbox.messages",
-        "SELECT outbox.retry_failed()",
-        "SELECT outbox.purge('0')",
-        "SELECT outbox.forget_aggregates()",
-        "SELECT * FROM outbox.stats",
-        "SELECT count(*) FROM outbox._claim_batch(1, true)",
-    ] {
-        let (sqlstate, message) = error_of(sql);
-        assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE", "writer ran {sql}: {message}");
-    }
-
-    Spi::run("RESET ROLE").unwrap();
-    Spi::run("SET LOCAL ROLE test_nobody").unwrap();
-    let (sqlstate, message) = error_of("SELECT outbox_enqueue('sec', 2, 'e', '{}')");
-    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
-
-    Spi::run("RESET ROLE").unwrap();
-    Spi::run("SET LOCAL ROLE test_admin").unwrap();
-    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.messages").unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<i64>("SELECT pending FROM outbox.stats").unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(0));
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
-    // The writer's aggregate still has its event: nothing to forget.
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(0));
-    let (sqlstate, _) = error_of("SELECT outbox_enqueue('sec', 3, 'e', '{}')");
-    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
-    let (sqlstate, _) = error_of("SELECT count(*) FROM outbox._claim_batch(1, true)");
-    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
-    Spi::run("RESET ROLE").unwrap();
-}
-
-#[pg_test]
-fn mark_processed_is_true_once_per_consumer_and_event() {
-    let id = "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'::uuid";
-    let mark = |consumer: &str| {
-        Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('{consumer}', {id})")).unwrap().unwrap()
-    };
-    assert!(mark("notifications"));
-    assert!(!mark("notifications"));
-    assert!(mark("billing"), "each consumer deduplicates on its own");
-    let (sqlstate, message) = error_of("SELECT outbox_mark_processed('', gen_random_uuid())");
-    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
-    let (sqlstate, _) = error_of("SELECT outbox_mark_processed(NULL, gen_random_uuid())");
-    assert_eq!(sqlstate, "ERRCODE_NULL_VALUE_NOT_ALLOWED");
-    let (sqlstate, _) = error_of("SELECT outbox_mark_processed('x', NULL)");
-    assert_eq!(sqlstate, "ERRCODE_NULL_VALUE_NOT_ALLOWED");
-    Spi::run("UPDATE outbox.processed_messages SET processed_at = now() - interval '8 days' WHERE consumer = 'billing'")
-        .unwrap();
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge_processed('7 days')").unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox._purge_batch(86400, 10)").unwrap(), Some(0));
-    assert!(!mark("notifications"));
 }
 
 #[pg_test]
@@ -637,6 +190,7 @@ fn enqueue_bounds_every_argument_and_names_it() {
     assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
 }
 
+
 #[pg_test]
 fn enqueue_refuses_streams_outside_allowed_streams() {
     Spi::run("SET LOCAL outbox.allowed_streams = 'outbox:*, audit:?'").unwrap();
@@ -661,61 +215,6 @@ fn enqueue_refuses_streams_outside_allowed_streams() {
     Spi::run("RESET ROLE").unwrap();
 }
 
-#[pg_test]
-fn admins_repair_through_functions_only() {
-    Spi::run("CREATE ROLE test_repair_admin IN ROLE outbox_admin").unwrap();
-    Spi::run("GRANT USAGE ON SCHEMA tests TO test_repair_admin").unwrap();
-    Spi::run("SELECT outbox_enqueue('r', 1, 'e', '{}'), outbox_enqueue('r', 2, 'e', '{}')").unwrap();
-    Spi::run("UPDATE outbox.messages SET status = 'failed'").unwrap();
-    Spi::run("SET LOCAL ROLE test_repair_admin").unwrap();
-    for sql in [
-        "UPDATE outbox.messages SET status = 'published'",
-        "DELETE FROM outbox.messages",
-        "INSERT INTO outbox.messages (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload) VALUES (gen_random_uuid(), 'a', 'b', 1, 'c', '{}')",
-    ] {
-        let (code, message) = error_of(sql);
-        assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "admin ran {sql}: {message}");
-    }
-    let ids = Spi::get_one::<Vec<i64>>("SELECT array_agg(id ORDER BY id) FROM outbox.messages").unwrap().unwrap();
-    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox.skip_failed($1)", &[vec![ids[0]].into()]).unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(1));
-    // Skipped just now, after this transaction's now(): nothing is old enough yet, but it runs.
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
-    Spi::run("RESET ROLE").unwrap();
-}
-
-#[pg_test]
-fn a_publishing_row_must_say_who_claimed_it_and_is_reaped_if_it_does_not() {
-    Spi::run("SELECT outbox_enqueue('n', 1, 'e', '{}')").unwrap();
-    let (code, message) = error_of("UPDATE outbox.messages SET status = 'publishing'");
-    assert_eq!(code, "ERRCODE_CHECK_VIOLATION", "{message}");
-    // A superuser can still write one (here: without the constraint); the reaper returns it.
-    Spi::run("ALTER TABLE outbox.messages DROP CONSTRAINT messages_claim_recorded").unwrap();
-    Spi::run("UPDATE outbox.messages SET status = 'publishing', claimed_at = NULL, claimed_by = NULL").unwrap();
-    assert_eq!(Spi::get_one::<i64>("SELECT outbox._reap_expired(30000)").unwrap(), Some(1));
-    let row = Spi::get_one::<String>("SELECT status || ':' || last_error FROM outbox.messages").unwrap().unwrap();
-    assert_eq!(row, "pending:the claim did not record when or by whom it was made");
-}
-
-#[pg_test]
-fn counters_saturate_instead_of_stalling_the_relay() {
-    Spi::run("SELECT outbox_enqueue('o', 1, 'e', '{}'), outbox_enqueue('o', 2, 'e', '{}')").unwrap();
-    Spi::run("UPDATE outbox.messages SET attempts = 2147483647, rejections = 2147483647").unwrap();
-    let ids = Spi::get_one::<Vec<i64>>("SELECT array_agg(id ORDER BY id) FROM outbox.messages").unwrap().unwrap();
-    Spi::get_one_with_args::<i64>("SELECT outbox._reject($1, 'boom', 1000000, 10)", &[vec![ids[0]].into()]).unwrap();
-    Spi::get_one_with_args::<i64>("SELECT outbox._release($1, 'down')", &[vec![ids[1]].into()]).unwrap();
-    assert_eq!(
-        Spi::get_one_with_args::<i64>("SELECT outbox._mark_published($1)", &[ids.clone().into()]).unwrap(),
-        Some(1),
-        "the rejected row is failed (max attempts reached), the other is published"
-    );
-    let counters = Spi::get_one::<String>(
-        "SELECT string_agg(status || ':' || attempts || ':' || rejections, ',' ORDER BY id) FROM outbox.messages",
-    )
-    .unwrap()
-    .unwrap();
-    assert_eq!(counters, "failed:2147483647:2147483647,published:2147483647:2147483647");
-}
 
 #[pg_test]
 fn a_consumer_name_belongs_to_the_role_that_used_it_first() {
@@ -741,4 +240,547 @@ fn a_consumer_name_belongs_to_the_role_that_used_it_first() {
     Spi::run("SET LOCAL ROLE test_consumer_b").unwrap();
     assert_eq!(Spi::get_one::<bool>("SELECT outbox_mark_processed('mailer', gen_random_uuid())").unwrap(), Some(true));
     Spi::run("RESET ROLE").unwrap();
+}
+
+#[pg_test]
+fn mark_processed_is_true_once_per_consumer_and_event() {
+    let id = "'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'::uuid";
+    let mark = |consumer: &str| {
+        Spi::get_one::<bool>(&format!("SELECT outbox_mark_processed('{consumer}', {id})")).unwrap().unwrap()
+    };
+    assert!(mark("notifications"));
+    assert!(!mark("notifications"));
+    assert!(mark("billing"), "each consumer deduplicates on its own");
+    let (sqlstate, message) = error_of("SELECT outbox_mark_processed('', gen_random_uuid())");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    let (sqlstate, _) = error_of("SELECT outbox_mark_processed(NULL, gen_random_uuid())");
+    assert_eq!(sqlstate, "ERRCODE_NULL_VALUE_NOT_ALLOWED");
+    let (sqlstate, _) = error_of("SELECT outbox_mark_processed('x', NULL)");
+    assert_eq!(sqlstate, "ERRCODE_NULL_VALUE_NOT_ALLOWED");
+    Spi::run("UPDATE outbox.processed_messages SET processed_at = now() - interval '8 days' WHERE consumer = 'billing'")
+        .unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge_processed('7 days')").unwrap(), Some(1));
+    assert!(!mark("notifications"));
+    // The relay's retention step deletes marks older than its window too.
+    Spi::run("UPDATE outbox.processed_messages SET processed_at = now() - interval '2 days' WHERE consumer = 'notifications'")
+        .unwrap();
+    assert!(Spi::get_one::<i64>("SELECT outbox._retention(interval '1 day')").unwrap().unwrap() >= 1);
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.processed_messages WHERE consumer = 'notifications'").unwrap(), Some(0));
+}
+
+
+#[pg_test]
+fn writers_enqueue_without_reading_and_only_admins_operate() {
+    Spi::run("CREATE ROLE test_writer IN ROLE outbox_writer").unwrap();
+    Spi::run("CREATE ROLE test_admin IN ROLE outbox_admin").unwrap();
+    Spi::run("CREATE ROLE test_nobody").unwrap();
+    Spi::run("GRANT USAGE ON SCHEMA tests TO test_writer, test_admin, test_nobody").unwrap();
+
+    Spi::run("SET LOCAL ROLE test_writer").unwrap();
+    Spi::run("SELECT outbox_enqueue('sec', 1, 'e', '{\"secret\": 1}')").unwrap();
+    for sql in [
+        "SELECT count(*) FROM outbox.messages",
+        "SELECT outbox.retry_failed()",
+        "SELECT outbox.purge('0')",
+        "SELECT outbox.forget_aggregates()",
+        "SELECT * FROM outbox.stats",
+        "SELECT count(*) FROM outbox._claim_shards(1, 1, 1000)",
+        "SELECT count(*) FROM outbox.events_0",
+    ] {
+        let (sqlstate, message) = error_of(sql);
+        assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE", "writer ran {sql}: {message}");
+    }
+
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SET LOCAL ROLE test_nobody").unwrap();
+    let (sqlstate, message) = error_of("SELECT outbox_enqueue('sec', 2, 'e', '{}')");
+    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE", "{message}");
+
+    Spi::run("RESET ROLE").unwrap();
+    Spi::run("SET LOCAL ROLE test_admin").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.messages").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT pending FROM outbox.stats").unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(0));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
+    // The writer's aggregate still has its event: nothing to forget.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(0));
+    let (sqlstate, _) = error_of("SELECT outbox_enqueue('sec', 3, 'e', '{}')");
+    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
+    let (sqlstate, _) = error_of("SELECT count(*) FROM outbox._claim_shards(1, 1, 1000)");
+    assert_eq!(sqlstate, "ERRCODE_INSUFFICIENT_PRIVILEGE");
+    Spi::run("RESET ROLE").unwrap();
+}
+
+
+/// A snapshot in which this test's own transaction counts as committed. A transaction never sees
+/// itself as committed in its own snapshots (its id is at or above their xmax), and every pg_test
+/// is one transaction, so the tests read "up to" this instead.
+const UPTO: &str = "outbox._cursor_below(pg_current_snapshot(), pg_current_xact_id()::text::bigint + 1)::pg_snapshot";
+
+/// Every shard's batch for this transaction, read with `_read_shard` from the shard's cursor.
+fn batch_ids(limit: i32) -> Vec<i64> {
+    Spi::get_one_with_args::<Vec<i64>>(
+        &format!(
+            "SELECT coalesce(array_agg(b.id ORDER BY b.id), '{{}}')
+               FROM outbox.shards s
+              CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, {UPTO}, $1) b"
+        ),
+        &[limit.into()],
+    )
+    .unwrap()
+    .unwrap()
+}
+
+fn event_ids_of(condition: &str) -> Vec<i64> {
+    Spi::get_one::<Vec<i64>>(&format!(
+        "SELECT coalesce(array_agg(id ORDER BY id), '{{}}') FROM outbox.events WHERE {condition}"
+    ))
+    .unwrap()
+    .unwrap()
+}
+
+/// Takes every shard from whoever holds it (the test instance's own relay), for this transaction.
+fn take_all_shards() {
+    Spi::run("UPDATE outbox.shards SET claimed_by = NULL, claimed_at = NULL").unwrap();
+}
+
+#[pg_test]
+fn enqueue_writes_one_row_to_the_current_generation_with_its_shard_and_transaction() {
+    Spi::run("SELECT outbox_enqueue('payment', 7, 'created', '{}'), outbox_enqueue('payment', 8, 'created', '{}')").unwrap();
+    let row = Spi::get_one::<String>(
+        "SELECT string_agg(concat_ws(':', generation, shard = outbox._shard_of(aggregate_type, aggregate_id),
+                                     txid = pg_current_xact_id()), ',' ORDER BY id)
+           FROM outbox.events",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(row, "0:t:t,0:t:t");
+    // Nothing else is written: no counter row, no status.
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.aggregates").unwrap(), Some(0));
+    assert_eq!(Spi::get_one::<String>("SELECT string_agg(status, ',') FROM outbox.messages").unwrap().unwrap(), "pending,pending");
+}
+
+#[pg_test]
+fn a_transaction_takes_at_most_256_order_locks() {
+    Spi::run("SELECT outbox_enqueue('bulk', i, 'e', '{}') FROM generate_series(1, 300) i").unwrap();
+    Spi::run("SELECT outbox_enqueue('bulk', 1, 'e', '{}')").unwrap();
+    let locks = Spi::get_one::<i64>(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'userlock' AND pid = pg_backend_pid() AND granted",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(locks, 256);
+}
+
+#[pg_test]
+fn a_batch_is_what_became_visible_between_the_cursor_and_a_snapshot() {
+    for aggregate in ["a", "b", "c", "a", "d"] {
+        Spi::run(&format!("SELECT outbox_enqueue('t', '{aggregate}', 'e', '{{}}')")).unwrap();
+    }
+    let all = event_ids_of("true");
+    assert_eq!(batch_ids(100), all);
+    // Up to the cursor itself: nothing.
+    let none = Spi::get_one::<i64>(
+        "SELECT count(*) FROM outbox.shards s CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, s.cursor, 100) b",
+    )
+    .unwrap();
+    assert_eq!(none, Some(0));
+    // A cursor cut below this transaction consumes nothing of it; one cut above consumes it all.
+    let own = Spi::get_one::<i64>("SELECT pg_current_xact_id()::text::bigint").unwrap().unwrap();
+    let below = Spi::get_one_with_args::<i64>(
+        "SELECT count(*) FROM outbox.shards s
+          CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, outbox._cursor_below(pg_current_snapshot(), $1)::pg_snapshot, 100) b",
+        &[own.into()],
+    )
+    .unwrap();
+    assert_eq!(below, Some(0));
+    let above = Spi::get_one_with_args::<i64>(
+        "SELECT count(*) FROM outbox.shards s
+          CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, outbox._cursor_below(pg_current_snapshot(), $1)::pg_snapshot, 100) b",
+        &[(own + 1).into()],
+    )
+    .unwrap();
+    assert_eq!(above, Some(5));
+}
+
+#[pg_test]
+fn a_batch_formats_created_at_as_rfc3339_utc_with_microseconds() {
+    Spi::run("SELECT outbox_enqueue('t', 'x', 'e', '{}')").unwrap();
+    Spi::run("UPDATE outbox.events_0 SET created_at = '2026-11-29 20:00:00.123456+00'").unwrap();
+    let created = Spi::get_one::<String>(&format!(
+        "SELECT b.created_at FROM outbox.shards s
+          CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, {UPTO}, 10) b"
+    ))
+    .unwrap()
+    .unwrap();
+    assert_eq!(created, "2026-11-29T20:00:00.123456Z");
+}
+
+/// A transaction that was running when the cursor was taken is found through the cursor's
+/// in-progress list; everything between it and the cursor's xmax was consumed and is not read
+/// again. Counted in pages, not time: the same on every machine.
+#[pg_test]
+fn a_long_transaction_never_makes_a_batch_rescan_what_was_consumed() {
+    create_buffers_helper();
+    // 20,000 consumed events of transactions 1,001..21,000 in shard 3, and one event of
+    // transaction 1,000, which the cursor saw running.
+    Spi::run(
+        "INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at)
+         SELECT (1000 + i)::text::xid8, 3, nextval('outbox.events_id_seq'), gen_random_uuid(), 't', i::text, 'e', '{}', now()
+           FROM generate_series(0, 20000) i",
+    )
+    .unwrap();
+    Spi::run("ANALYZE outbox.events_0").unwrap();
+    let read = "SELECT * FROM outbox._read_shard(3::smallint, '1000:21001:1000', '21001:21001:', 100)";
+    let rows = Spi::get_one::<i64>(&format!("SELECT count(*) FROM ({read}) b")).unwrap();
+    assert_eq!(rows, Some(1), "only the long transaction's event is new");
+    let pages = buffers_touched(read);
+    assert!(pages < 50, "reading one event past 20,000 consumed ones touched {pages} pages");
+}
+
+/// A backlog of one aggregate costs a batch no more than many aggregates do: the read is one index
+/// range, whatever the aggregates.
+#[pg_test]
+fn reading_a_batch_of_one_aggregates_backlog_costs_a_few_pages_per_event() {
+    create_buffers_helper();
+    Spi::run("SELECT outbox_enqueue('acct', 'hot', 'e', '{}') FROM generate_series(1, 3000)").unwrap();
+    let shard = Spi::get_one::<i16>("SELECT outbox._shard_of('acct', 'hot')").unwrap().unwrap();
+    let read = buffers_touched(&format!(
+        "SELECT * FROM outbox._read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000)"
+    ));
+    assert!(read < 5_000, "reading 1,000 events of one aggregate touched {read} pages");
+}
+
+#[pg_test]
+fn shards_are_claimed_up_to_a_share_with_a_lease_and_reaped() {
+    take_all_shards();
+    let mine = |share: i32| {
+        Spi::get_one_with_args::<String>(
+            "SELECT string_agg(shard::text, ',' ORDER BY shard) FROM outbox._claim_shards(pg_backend_pid(), $1, 30000)",
+            &[share.into()],
+        )
+        .unwrap()
+        .unwrap_or_default()
+    };
+    assert_eq!(mine(4), "0,1,2,3");
+    assert_eq!(mine(4), "0,1,2,3", "a relay keeps its shards");
+    assert_eq!(mine(2), "0,1", "and gives back what is above its share");
+    // Shards of a process that is gone, or whose lease expired, are taken like free ones.
+    Spi::run("UPDATE outbox.shards SET claimed_by = 1, claimed_at = now() WHERE shard BETWEEN 2 AND 5").unwrap();
+    Spi::run(
+        "UPDATE outbox.shards SET claimed_by = pg_backend_pid() + 1000000, claimed_at = now() - interval '2 minutes'
+          WHERE shard BETWEEN 6 AND 7",
+    )
+    .unwrap();
+    assert_eq!(mine(16), "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15");
+    // The reaper frees them for anyone.
+    Spi::run("UPDATE outbox.shards SET claimed_by = 1 WHERE shard = 15").unwrap();
+    Spi::run("UPDATE outbox.shards SET claimed_at = now() - interval '2 minutes' WHERE shard = 14").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox._reap_shards(30000)").unwrap(), Some(2));
+    let free = Spi::get_one::<i64>("SELECT count(*) FROM outbox.shards WHERE claimed_by IS NULL").unwrap();
+    assert_eq!(free, Some(2));
+    // A claim always says by whom and since when.
+    let (code, message) = error_of("UPDATE outbox.shards SET claimed_at = NULL WHERE shard = 0");
+    assert_eq!(code, "ERRCODE_CHECK_VIOLATION", "{message}");
+}
+
+#[pg_test]
+fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() {
+    take_all_shards();
+    Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 1, 30000)").unwrap();
+    Spi::run(
+        "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[pg_current_snapshot()::text],
+                                ARRAY['t', 't'], ARRAY['a', 'b'], ARRAY[3, 1]::bigint[])",
+    )
+    .unwrap();
+    Spi::run(
+        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], ARRAY['t'], ARRAY['a'], ARRAY[2]::bigint[])",
+    )
+    .unwrap();
+    let counters = Spi::get_one::<String>(
+        "SELECT string_agg(aggregate_id || '=' || last_seq, ',' ORDER BY aggregate_id) FROM outbox.aggregates",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(counters, "a=3,b=1", "counters never move back");
+    let positions = Spi::get_one::<String>(
+        "SELECT string_agg(ordinal || ':' || last_seq, ',' ORDER BY ordinal) FROM outbox._counters(ARRAY['t', 't', 't'], ARRAY['x', 'b', 'a'])",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(positions, "2:1,3:3");
+    let (code, message) = error_of(
+        "SELECT outbox._advance(pg_backend_pid(), ARRAY[1]::smallint[], ARRAY[pg_current_snapshot()::text], '{}', '{}', '{}')",
+    );
+    assert_eq!(code, "ERRCODE_LOCK_NOT_AVAILABLE", "a shard this relay does not hold: {message}");
+}
+
+#[pg_test]
+fn the_failure_path_keeps_each_aggregates_order_until_retried_or_skipped() {
+    for aggregate in ["a", "a", "b", "a"] {
+        Spi::run(&format!("SELECT outbox_enqueue('t', '{aggregate}', 'e', '{{}}')")).unwrap();
+    }
+    let a = event_ids_of("aggregate_id = 'a'");
+    let event_id = |id: i64| {
+        Spi::get_one::<String>(&format!("SELECT event_id::text FROM outbox.events WHERE id = {id}")).unwrap().unwrap()
+    };
+    // a#1 rejected (backing off), a#2 waits behind it; b and a#3 are not held.
+    let failed = Spi::get_one_with_args::<i64>(
+        "SELECT outbox._hold($1::uuid[], ARRAY[1, 2]::bigint[], ARRAY['WRONGTYPE boom', NULL], 3, 60000)",
+        &[vec![event_id(a[0]), event_id(a[1])].into()],
+    )
+    .unwrap();
+    assert_eq!(failed, Some(0));
+    let due = || {
+        Spi::get_one::<String>(
+            "SELECT coalesce(string_agg(aggregate_id || '#' || aggregate_seq, ',' ORDER BY id), '')
+               FROM outbox._held_due(ARRAY(SELECT shard FROM outbox.shards), 100, true)",
+        )
+        .unwrap()
+        .unwrap()
+    };
+    assert_eq!(due(), "", "a#1 backs off, a#2 waits behind it");
+    let held = Spi::get_one::<String>(
+        "SELECT string_agg(p::text, ',') FROM outbox._held_aggregates(ARRAY['t', 't'], ARRAY['b', 'a'], ARRAY(SELECT shard FROM outbox.shards)) p",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(held, "2", "a's new events must join the failure path");
+    Spi::run("UPDATE outbox.held SET available_at = NULL").unwrap();
+    assert_eq!(due(), "a#1,a#2");
+    // Rejected twice more: failed at max_attempts 3, and its aggregate waits.
+    for _ in 0..2 {
+        Spi::run_with_args(
+            "SELECT outbox._settle_held('{}', ARRAY[$1]::bigint[], ARRAY['WRONGTYPE boom'], 3, 10)",
+            &[a[0].into()],
+        )
+        .unwrap();
+        Spi::run("UPDATE outbox.held SET available_at = NULL WHERE status = 'waiting'").unwrap();
+    }
+    let states = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || rejections || ':' || coalesce(last_error, '-'), ',' ORDER BY id) FROM outbox.held",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(states, "failed:3:WRONGTYPE boom,waiting:0:-");
+    assert_eq!(due(), "");
+    let view = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || coalesce(aggregate_seq::text, '-'), ',' ORDER BY id) FROM outbox.messages",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(view, "failed:1,pending:2,pending:-,pending:-");
+    // Retried: pending again with counters reset, and due at once.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(1));
+    assert_eq!(due(), "a#1,a#2");
+    // Skipped for good: a#2 goes on alone.
+    Spi::run_with_args("SELECT outbox._settle_held('{}', ARRAY[$1]::bigint[], ARRAY['x'], 1, 10)", &[a[0].into()]).unwrap();
+    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox.skip_failed(ARRAY[$1])", &[a[0].into()]).unwrap(), Some(1));
+    assert_eq!(due(), "a#2");
+    Spi::run_with_args("SELECT outbox._settle_held(ARRAY[$1]::bigint[], '{}', '{}', 3, 10)", &[a[1].into()]).unwrap();
+    let view = Spi::get_one::<String>("SELECT string_agg(status, ',' ORDER BY id) FROM outbox.messages WHERE aggregate_id = 'a'")
+        .unwrap()
+        .unwrap();
+    assert_eq!(view, "skipped,published,pending");
+    let (code, _) = error_of("SELECT outbox.skip_failed('{}')");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE");
+}
+
+#[pg_test]
+fn without_order_only_the_rejected_event_waits() {
+    Spi::run("SELECT outbox_enqueue('t', 'a', 'e', '{}') FROM generate_series(1, 2)").unwrap();
+    let a = event_ids_of("true");
+    Spi::run_with_args(
+        "SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events WHERE id = ANY($1) ORDER BY id), ARRAY[1, 2]::bigint[], ARRAY['boom', NULL], 3, 60000)",
+        &[a.clone().into()],
+    )
+    .unwrap();
+    let due = Spi::get_one::<String>(
+        "SELECT string_agg(aggregate_seq::text, ',') FROM outbox._held_due(ARRAY(SELECT shard FROM outbox.shards), 100, false)",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(due, "2");
+}
+
+#[pg_test]
+fn counters_saturate_instead_of_stalling_the_relay() {
+    Spi::run("SELECT outbox_enqueue('o', 1, 'e', '{}'), outbox_enqueue('o', 2, 'e', '{}')").unwrap();
+    Spi::run(
+        "SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events ORDER BY id), ARRAY[1, 1]::bigint[], ARRAY['x', 'y'], 1000000, 10)",
+    )
+    .unwrap();
+    Spi::run("UPDATE outbox.held SET attempts = 2147483647, rejections = 2147483647").unwrap();
+    let ids = event_ids_of("true");
+    Spi::run_with_args(
+        "SELECT outbox._settle_held(ARRAY[$1]::bigint[], ARRAY[$2]::bigint[], ARRAY['boom'], 1000000, 10)",
+        &[ids[1].into(), ids[0].into()],
+    )
+    .unwrap();
+    let counters = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || attempts || ':' || rejections, ',' ORDER BY id) FROM outbox.held",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(counters, "failed:2147483647:2147483647,published:2147483647:2147483647");
+}
+
+#[pg_test]
+fn the_messages_view_tells_every_events_status() {
+    Spi::run("SELECT outbox_enqueue('v', i, 'e', '{}') FROM generate_series(1, 3) i").unwrap();
+    assert_eq!(Spi::get_one::<String>("SELECT string_agg(status, ',' ORDER BY id) FROM outbox.messages").unwrap().unwrap(),
+               "pending,pending,pending");
+    // Consumed by the cursors (as a finished batch leaves them): published, with when.
+    Spi::run(&format!("UPDATE outbox.shards SET cursor = {UPTO}, cursor_at = now()")).unwrap();
+    let row = Spi::get_one::<String>(
+        "SELECT string_agg(status || ':' || (published_at IS NOT NULL), ',' ORDER BY id) FROM outbox.messages",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(row, "published:true,published:true,published:true");
+    // One question per event_id.
+    let one = Spi::get_one::<String>(
+        "SELECT status FROM outbox.messages WHERE event_id = (SELECT event_id FROM outbox.events ORDER BY id LIMIT 1)",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(one, "published");
+}
+
+/// A transaction's own events are not pending until it commits (no snapshot shows them committed),
+/// so this test counts what the failure path holds; tests/operations.rs counts committed events.
+#[pg_test]
+fn stats_counts_the_failure_path_exactly_and_reports_the_oldest_pending_age() {
+    take_all_shards();
+    let stats = || {
+        Spi::get_one::<String>(
+            "SELECT concat_ws(',', pending, publishing, failed, coalesce(oldest_pending_age >= interval '1 hour', false))
+               FROM outbox.stats",
+        )
+        .unwrap()
+        .unwrap()
+    };
+    assert_eq!(stats(), "0,0,0,f");
+    Spi::run("SELECT outbox_enqueue('s', i, 'e', '{}') FROM generate_series(1, 3) i").unwrap();
+    Spi::run(
+        "SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events ORDER BY id), ARRAY[1, 1, 1]::bigint[],
+                             ARRAY['x', NULL, NULL], 1, 10)",
+    )
+    .unwrap();
+    Spi::run("UPDATE outbox.held SET created_at = now() - interval '2 hours' WHERE status = 'waiting'").unwrap();
+    // As a finished batch leaves them: the cursors past the events moved to the failure path.
+    Spi::run(&format!("UPDATE outbox.shards SET cursor = {UPTO}")).unwrap();
+    // One failed, two waiting on the failure path (pending), the oldest two hours old.
+    assert_eq!(stats(), "2,0,1,t");
+}
+
+#[pg_test]
+fn retention_switches_tables_and_truncates_only_what_every_shard_consumed() {
+    take_all_shards();
+    Spi::run("SELECT outbox_enqueue('r', i, 'e', '{}') FROM generate_series(1, 5) i").unwrap();
+    // Switch now: the next events go to the next table.
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
+    Spi::run("SELECT outbox_enqueue('r', 6, 'e', '{}')").unwrap();
+    let where_ = Spi::get_one::<String>("SELECT string_agg(generation::text, ',' ORDER BY id) FROM outbox.events")
+        .unwrap()
+        .unwrap();
+    assert_eq!(where_, "0,0,0,0,0,1");
+    let states = || {
+        Spi::get_one::<String>("SELECT string_agg(state, ',' ORDER BY generation) FROM outbox.generations").unwrap().unwrap()
+    };
+    assert_eq!(states(), "closing,current,empty");
+    // Closed once the switch has committed (so in a later transaction: simulated here by marking
+    // the switch as made by an older, committed transaction); not truncated while unconsumed.
+    Spi::run("SELECT outbox.purge('0')").unwrap();
+    assert_eq!(states(), "closing,closing,current", "the switching transaction never closes what it switched");
+    Spi::run(
+        "UPDATE outbox.generations SET state = 'closing', switched_by = (SELECT xmin::text::xid8 FROM pg_class WHERE oid = 'outbox.events_0'::regclass)
+          WHERE generation = 0",
+    )
+    .unwrap();
+    Spi::run("UPDATE outbox.generations SET state = 'empty', opened_at = NULL WHERE generation = 2").unwrap();
+    Spi::run("UPDATE outbox.generations SET state = 'current', closed_at = NULL, switched_by = NULL WHERE generation = 1").unwrap();
+    Spi::run("SELECT outbox.purge('0')").unwrap();
+    assert_eq!(states(), "closed,closing,current");
+    // Every shard past it: truncated, and the table is ready to be current again.
+    Spi::run(
+        "UPDATE outbox.shards SET cursor = ((SELECT closed_below FROM outbox.generations WHERE generation = 0)::text || ':'
+                                            || (SELECT closed_below FROM outbox.generations WHERE generation = 0)::text || ':')::pg_snapshot",
+    )
+    .unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(5));
+    assert_eq!(states(), "empty,closing,current", "truncated; the empty current table is not switched");
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.events_0").unwrap(), Some(0));
+    // Failed events are never removed.
+    Spi::run("SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events_1), ARRAY[1]::bigint[], ARRAY['x'], 1, 10)").unwrap();
+    Spi::run("UPDATE outbox.held SET failed_at = now() - interval '1 year', published_at = now() - interval '1 year'").unwrap();
+    Spi::run("SELECT outbox.purge('0')").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.held WHERE status = 'failed'").unwrap(), Some(1));
+    let (code, _) = error_of("SELECT outbox.purge('-1 day')");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE");
+}
+
+#[pg_test]
+fn sequence_counters_are_kept_until_an_admin_forgets_aggregates_with_no_event_left() {
+    Spi::run("INSERT INTO outbox.aggregates VALUES ('f', 'gone', 5), ('f', 'here', 3), ('f', 'held', 2)").unwrap();
+    Spi::run("SELECT outbox_enqueue('f', 'here', 'e', '{}'), outbox_enqueue('f', 'held', 'e', '{}')").unwrap();
+    Spi::run("SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events WHERE aggregate_id = 'held'), ARRAY[3]::bigint[], ARRAY['x'], 1, 10)")
+        .unwrap();
+    Spi::run("TRUNCATE outbox.events_0").unwrap();
+    Spi::run("SELECT outbox_enqueue('f', 'here', 'e', '{}')").unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.forget_aggregates()").unwrap(), Some(1));
+    let left = Spi::get_one::<String>("SELECT string_agg(aggregate_id, ',' ORDER BY aggregate_id) FROM outbox.aggregates")
+        .unwrap()
+        .unwrap();
+    assert_eq!(left, "held,here");
+}
+
+#[pg_test]
+fn admins_repair_through_functions_only() {
+    Spi::run("CREATE ROLE test_repair_admin IN ROLE outbox_admin").unwrap();
+    Spi::run("GRANT USAGE ON SCHEMA tests TO test_repair_admin").unwrap();
+    Spi::run("SELECT outbox_enqueue('r', 1, 'e', '{}'), outbox_enqueue('r', 2, 'e', '{}')").unwrap();
+    Spi::run("SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events ORDER BY id), ARRAY[1, 1]::bigint[], ARRAY['x', 'y'], 1, 10)")
+        .unwrap();
+    Spi::run("SET LOCAL ROLE test_repair_admin").unwrap();
+    for sql in [
+        "UPDATE outbox.held SET status = 'published'",
+        "DELETE FROM outbox.events_0",
+        "UPDATE outbox.shards SET cursor = cursor",
+        "TRUNCATE outbox.events_0",
+        "SELECT outbox._retention(interval '0')",
+    ] {
+        let (code, message) = error_of(sql);
+        assert_eq!(code, "ERRCODE_INSUFFICIENT_PRIVILEGE", "admin ran {sql}: {message}");
+    }
+    let ids = Spi::get_one::<Vec<i64>>("SELECT array_agg(id ORDER BY id) FROM outbox.messages").unwrap().unwrap();
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.messages WHERE status = 'failed'").unwrap(), Some(2));
+    assert_eq!(Spi::get_one_with_args::<i64>("SELECT outbox.skip_failed($1)", &[vec![ids[0]].into()]).unwrap(), Some(1));
+    assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(1));
+    assert!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap().is_some());
+    Spi::run("RESET ROLE").unwrap();
+}
+
+#[pg_test]
+fn schema_is_registered_for_pg_dump_and_the_log_is_insert_only() {
+    let dumped = Spi::get_one::<String>(
+        "SELECT string_agg(c.relname || ':' || coalesce(cond, ''), ',' ORDER BY c.relname)
+           FROM pg_extension e, unnest(e.extconfig, e.extcondition) AS t(oid, cond)
+           JOIN pg_class c ON c.oid = t.oid
+          WHERE e.extname = 'outbox_pg'",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        dumped,
+        "aggregates:,consumers:,events_0:,events_1:,events_2:,events_id_seq:,generations:,held:,processed_messages:,shards:,ticks:"
+    );
+    // Two indexes per log table, the seeds' count: the relays' (shard, txid) and event_id.
+    let indexes = Spi::get_one::<String>(
+        "SELECT string_agg(indexrelid::regclass::text, ',' ORDER BY indexrelid::regclass::text) FROM pg_index
+          WHERE indrelid = 'outbox.events_0'::regclass",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(indexes, "outbox.events_0_batch_idx,outbox.events_0_event_id_idx");
 }

@@ -22,10 +22,6 @@ const BACKOFF_CAP: Duration = Duration::from_secs(10);
 /// Housekeeping cadence while anything is undelivered or being purged; when the outbox is empty it
 /// runs only once per poll interval, so an idle relay queries no more often than that.
 const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
-/// Retention deletes batches of this many rows, for at most `PURGE_BUDGET` per housekeeping, so
-/// that it never holds up the relay for long and never runs one huge DELETE.
-const PURGE_BATCH: i32 = 1_000;
-const PURGE_BUDGET: Duration = Duration::from_millis(50);
 /// While the oldest pending event stays above `outbox.alert_age`, repeat the WARNING this often.
 const ALERT_REPEAT: Duration = Duration::from_secs(60);
 /// After a round that published a partial batch, events are arriving one commit at a time: pause
@@ -78,6 +74,9 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         (c"synchronous_commit", c"off"),
         (c"default_transaction_isolation", c"read committed"),
         (c"default_transaction_read_only", c"off"),
+        // A relay never waits long on a row lock (a session holding its shard rows, an admin's
+        // forget_aggregates): it backs off and tries again, answering SIGTERM in between.
+        (c"lock_timeout", c"2s"),
     ] {
         // SAFETY: static NUL-terminated strings; all are user-settable options.
         unsafe {
@@ -200,6 +199,9 @@ impl Relay {
         report_activity(true);
         let settings = TickSettings {
             slot: self.slot,
+            // SAFETY: MyProcPid is set for every backend.
+            pid: unsafe { pg_sys::MyProcPid },
+            share: crate::order::SHARDS.div_ceil(guc::workers() as u64) as usize,
             lease: guc::lease(),
             batch_size: guc::batch_size(),
             stream_template: guc::stream_template(),
@@ -210,20 +212,20 @@ impl Relay {
             fault: guc::fault_injection(),
         };
         let mut timings = RoundTimings::default();
-        let outcome = tick::tick(&mut self.sink, &settings, &mut timings, &stop_requested);
+        let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
         shmem::set_redis_connected(self.sink.is_connected());
         log_if_slow_round(&outcome, &timings);
         if timings.total() >= settings.lease && !matches!(outcome, TickOutcome::Idle) {
             warning!(
-                "outbox_pg: relay {} took {} for one round, longer than outbox.lease ({}): its claim expired meanwhile and \
-                 other relays or sessions may have published the same events again; raise outbox.lease or lower outbox.batch_size",
+                "outbox_pg: relay {} took {} for one round, longer than outbox.lease ({}): its shards' lease expired meanwhile and \
+                 other relays may have published the same events again; raise outbox.lease or lower outbox.batch_size",
                 self.slot,
                 millis(timings.total()),
                 human(settings.lease)
             );
         }
         match outcome {
-            TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, .. } => {
+            TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, more, .. } => {
                 self.recovered();
                 if let Some(error) = last_rejection {
                     shmem::set_last_error(&format!("Redis rejected {rejected} events: {error}"));
@@ -235,12 +237,12 @@ impl Relay {
                         settings.max_attempts
                     );
                 }
-                if claimed >= settings.batch_size && rejected == 0 {
+                if more {
                     None
                 } else {
-                    // The queue was drained at claim time (or only rejected rows are left, which
-                    // back off on their own). Commits made during this round have set the latch,
-                    // so the wait returns at once if there is new work.
+                    // The log was drained up to the round's snapshot (events Redis rejected back
+                    // off on their own). Commits made during this round have set the latch, so
+                    // the wait returns at once if there is new work.
                     if claimed > 0 {
                         std::thread::sleep(COALESCE_WINDOW);
                     }
@@ -256,27 +258,25 @@ impl Relay {
                 Some(poll.max(Duration::from_secs(1)))
             }
             TickOutcome::BrokerDown { error, .. } => Some(self.failed(Health::BrokerDown(error.0))),
-            // SIGTERM arrived while the claim lock was busy: the main loop exits.
-            TickOutcome::Stopping => Some(Duration::ZERO),
             TickOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),
         }
     }
 
-    /// Returns expired claims, checks the age alert, applies retention. `Ok(true)` while there is
-    /// anything to watch (undelivered events, rows being purged).
+    /// Frees the shards of relays that exited or hang, checks the age alert, applies retention.
+    /// `Ok(true)` while there is anything to watch (undelivered events, tables being retired).
     fn housekeeping(&mut self) -> Result<bool, String> {
         let Some(found) = tick::housekeeping(guc::lease_ms())? else {
             return Ok(false);
         };
         if found.reaped > 0 {
             log!(
-                "outbox_pg: returned {} claimed events to pending (their claim expired or their relay exited); they will be published again",
+                "outbox_pg: freed {} shards of a relay that exited or whose lease expired; the other relays take them over and publish what it had not finished",
                 found.reaped
             );
         }
         for (slot, events, age) in claims::newly_expired(guc::lease()) {
             log!(
-                "outbox_pg: relay {slot} has held its claim of {events} events for {} without settling it, longer than outbox.lease ({}); other relays publish them again",
+                "outbox_pg: relay {slot} has held its claim of {events} events for {} without finishing it, longer than outbox.lease ({}); other relays publish them again",
                 human(age),
                 human(guc::lease())
             );
@@ -285,14 +285,7 @@ impl Relay {
 
         let mut purged = 0;
         if let Some(retention_s) = guc::retention_s() {
-            let started = Instant::now();
-            loop {
-                let deleted = tick::purge_batch(retention_s, PURGE_BATCH)?;
-                purged += deleted;
-                if deleted < PURGE_BATCH as i64 || started.elapsed() >= PURGE_BUDGET {
-                    break;
-                }
-            }
+            purged = tick::retention(retention_s)?;
         }
         Ok(found.oldest_pending_age.is_some() || found.reaped > 0 || purged > 0)
     }
@@ -474,10 +467,7 @@ fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
     let events = match outcome {
         TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
         TickOutcome::Idle => "nothing pending".to_string(),
-        TickOutcome::BrokerDown { .. }
-        | TickOutcome::ExtensionMissing
-        | TickOutcome::DatabaseError(_)
-        | TickOutcome::Stopping => return,
+        TickOutcome::BrokerDown { .. } | TickOutcome::ExtensionMissing | TickOutcome::DatabaseError(_) => return,
     };
     log!(
         "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",

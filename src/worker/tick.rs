@@ -1,9 +1,10 @@
-//! One round of the relay: claim a batch (a reading transaction that records the claim in shared
-//! memory), publish it to Redis (no transaction open), settle the rows (one short transaction that
-//! writes each row once), release the claim. No signal handling and no waiting here, so that the
-//! outcome alone decides what the main loop does next.
+//! One round of the relay, over the log: claim shards and read their batches (a short transaction
+//! that writes only when shards change hands), publish to Redis (no transaction open), finish (one
+//! short transaction: each shard's cursor, the per-aggregate counters, and the failure path for
+//! what Redis refused). No signal handling and no waiting here, so that the outcome alone decides
+//! what the main loop does next. The design is in docs/worker.md, "The log".
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
@@ -18,14 +19,18 @@ use crate::worker::txn;
 /// What the relay needs to know for one round; read from the settings before each round.
 #[derive(Debug, Clone)]
 pub struct TickSettings {
-    /// This relay's slot: where its claim is recorded.
+    /// This relay's slot (for what it has in flight) and process id (what holds its shards).
     pub slot: usize,
-    /// Claims of other relays older than this are ignored (`outbox.lease`).
+    pub pid: i32,
+    /// How many of the 16 shards this relay takes: its share of `outbox.workers`.
+    pub share: usize,
+    /// Shards of a relay whose lease is older than this are taken over (`outbox.lease`).
     pub lease: Duration,
+    /// Events read per shard per round (a round may carry `share` times as many).
     pub batch_size: usize,
     pub stream_template: String,
     pub stream_maxlen: Option<u64>,
-    /// Claim in per-aggregate order (`outbox.ordering = aggregate`).
+    /// Keep per-aggregate order (`outbox.ordering = aggregate`).
     pub in_order: bool,
     pub max_attempts: i32,
     pub retry_delay_ms: i32,
@@ -35,330 +40,374 @@ pub struct TickSettings {
 /// The outcome of one round.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TickOutcome {
-    /// A batch was claimed and settled. `published` reached Redis; `rejected` were refused by
-    /// Redis because of the entry itself and went back to pending (backing off) with their error,
-    /// of which `dead_lettered` reached `max_attempts` and are now failed.
-    Worked { claimed: usize, published: usize, rejected: usize, dead_lettered: i64, last_rejection: Option<String> },
-    /// Nothing was pending.
+    /// A batch was read, published and finished. `published` reached Redis; `rejected` were
+    /// refused by Redis because of the event itself and are on the failure path, backing off, of
+    /// which `dead_lettered` reached `max_attempts` and are now failed. `more`: a shard's batch
+    /// was cut, so more events are waiting.
+    Worked {
+        claimed: usize,
+        published: usize,
+        rejected: usize,
+        dead_lettered: i64,
+        last_rejection: Option<String>,
+        more: bool,
+    },
+    /// Nothing was waiting.
     Idle,
     /// The extension is not installed in the relay's database (yet, or any more).
     ExtensionMissing,
-    /// Redis failed as a whole; the claimed rows stay pending. Some rows may have been
-    /// published before the failure was noticed.
+    /// Redis failed as a whole; nothing was finished, so the same batch is read again after the
+    /// backoff. Some entries may have been published before the failure was noticed.
     BrokerDown { error: BrokerError, published: usize },
     /// The database refused a statement (e.g. during DROP EXTENSION); nothing was lost.
     DatabaseError(String),
-    /// The relay was asked to stop while waiting for the claim lock; nothing was claimed.
-    Stopping,
 }
 
-const EXTENSION_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_pg')";
-const CLAIM: &str = "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
-                     stream, created_at FROM outbox._relay_batch($1, $2)";
-const WAITING: &str = "SELECT outbox._relay_waiting($1, $2, $3)";
-const MARK_PUBLISHED: &str = "SELECT outbox._mark_published($1)";
-const RELEASE: &str = "SELECT outbox._release($1, $2)";
-const REJECT: &str = "SELECT outbox._reject($1, $2, $3, $4)";
-const REAP: &str = "SELECT outbox._reap_expired($1)";
+const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms FROM outbox._claim_shards($1, $2, $3)";
+const SNAPSHOT: &str = "SELECT pg_catalog.pg_current_snapshot()::text";
+const READ_SHARD: &str =
+    "SELECT txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
+                          created_at FROM outbox._read_shard($1, $2::pg_snapshot, $3::pg_snapshot, $4)";
+const CURSOR_BELOW: &str = "SELECT outbox._cursor_below($1::pg_snapshot, $2)";
+const HELD_DUE: &str =
+    "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
+                        stream, created_at FROM outbox._held_due($1, $2, $3)";
+const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
+const COUNTERS: &str = "SELECT ordinal, last_seq FROM outbox._counters($1, $2)";
+const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
+const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
+const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6)";
+const REAP: &str = "SELECT outbox._reap_shards($1)";
+const RETENTION: &str = "SELECT outbox._retention($1 * interval '1 second')";
+const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pending_age()) * 1000)::float8";
+
+/// An idle shard's cursor is moved on this often, so that retention can see it has consumed a
+/// closed table; a shard with events moves at every batch.
+const IDLE_CURSOR_MOVE: Duration = Duration::from_secs(10);
 
 /// What the relay's periodic housekeeping found.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Housekeeping {
-    /// Claims returned to pending (lease expired or claimer exited).
+    /// Shards returned by the reaper (their relay exited, or its lease expired).
     pub reaped: i64,
     /// Age of the oldest undelivered event, if any.
-    pub oldest_pending_age: Option<std::time::Duration>,
+    pub oldest_pending_age: Option<Duration>,
 }
 
-const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pending_age()) * 1000)::float8";
-const PURGE_BATCH: &str = "SELECT outbox._purge_batch($1, $2)";
-
-/// Returns expired or orphaned claims to pending and measures the oldest pending event, in one
+/// Frees the shards of relays that exited or hang, and measures the oldest pending event, in one
 /// short transaction. `Ok(None)` when the extension is not installed.
 pub fn housekeeping(lease_ms: i32) -> Result<Option<Housekeeping>, String> {
     txn::run(move || -> Result<Option<Housekeeping>, pgrx::spi::Error> {
-        if !extension_installed()? {
+        if installation() == pg_sys::InvalidOid {
             return Ok(None);
         }
         let reaped = Spi::get_one_with_args::<i64>(REAP, &[lease_ms.into()])?.unwrap_or(0);
-        let oldest_pending_age = Spi::get_one::<f64>(OLDEST_PENDING_AGE_MS)?
-            .map(|ms| std::time::Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+        let oldest_pending_age =
+            Spi::get_one::<f64>(OLDEST_PENDING_AGE_MS)?.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
         Ok(Some(Housekeeping { reaped, oldest_pending_age }))
     })
 }
 
-/// Deletes one batch of published events older than the retention; returns how many.
-pub fn purge_batch(retention_s: i32, batch_size: i32) -> Result<i64, String> {
-    txn::run(move || Spi::get_one_with_args::<i64>(PURGE_BATCH, &[retention_s.into(), batch_size.into()]))
-        .map(|n| n.unwrap_or(0))
+/// One retention step (outbox._retention); returns how many events and rows it removed.
+pub fn retention(retention_s: i32) -> Result<i64, String> {
+    txn::run(move || Spi::get_one_with_args::<i64>(RETENTION, &[retention_s.into()])).map(|n| n.unwrap_or(0))
 }
 
-fn extension_installed() -> Result<bool, pgrx::spi::Error> {
-    Ok(Spi::get_one::<bool>(EXTENSION_INSTALLED)?.unwrap_or(false))
-}
-
-/// Claims up to `batch_size` pending events for the relay in `settings.slot`. `Ok(None)` when the
-/// extension is not installed: that is only looked up after the claim failed, so the common round
-/// costs one statement.
-fn claim(settings: &TickSettings, stop_requested: &dyn Fn() -> bool) -> Result<Option<Claimed>, String> {
-    match claim_rows(settings, stop_requested) {
-        Ok(claimed) => Ok(Some(claimed)),
-        Err(error) => {
-            // The claim may have been recorded before the commit failed.
-            claims::clear(settings.slot);
-            match txn::run(extension_installed) {
-                Ok(false) => Ok(None),
-                _ => Err(error),
-            }
-        }
-    }
-}
-
-/// The claim writes nothing to the table: under the claim lock, it reads which rows the other
-/// relays hold, then (with a snapshot taken after that) the oldest claimable rows, drops those held
-/// elsewhere, and records the rest in this relay's slot before committing. See src/claims.rs for
-/// why that cannot hand a row to two relays, and `outbox._claim_batch` for how per-aggregate order
-/// is checked in two steps.
-fn claim_rows(settings: &TickSettings, stop_requested: &dyn Fn() -> bool) -> Result<Claimed, String> {
-    let (slot, lease, batch_size, in_order) = (settings.slot, settings.lease, settings.batch_size, settings.in_order);
-    let stop_requested = std::panic::AssertUnwindSafe(stop_requested);
-    txn::run(move || -> Result<Claimed, pgrx::spi::Error> {
-        // Moved whole, so that the closure captures the unwind-safe wrapper, not its field.
-        let stop_requested = stop_requested;
-        if claims::lock_for_claim(|| (stop_requested.0)()) == claims::ClaimLock::Stopping {
-            return Ok(Claimed::Stopping);
-        }
-        let installation = installation();
-        let held_elsewhere = claims::in_flight_elsewhere(Some(slot), lease);
-        // Rows held elsewhere may come back (they are pending): ask for that many more.
-        let limit = (batch_size + held_elsewhere.len()).min(i32::MAX as usize) as i32;
-        let mut events = Spi::connect_mut(|client| {
-            // `update` (not `select`): the statement must take a fresh snapshot, after the read
-            // of the other relays' claims above.
-            let rows = client.update(CLAIM, None, &[limit.into(), in_order.into()])?;
-            let mut events = Vec::with_capacity(rows.len());
-            for row in rows {
-                events.push(OutboxEvent {
-                    id: row.get::<i64>(1)?.unwrap_or_default(),
-                    event_id: row.get::<String>(2)?.unwrap_or_default(),
-                    aggregate_type: row.get::<String>(3)?.unwrap_or_default(),
-                    aggregate_id: row.get::<String>(4)?.unwrap_or_default(),
-                    aggregate_seq: row.get::<i64>(5)?.unwrap_or_default(),
-                    event_type: row.get::<String>(6)?.unwrap_or_default(),
-                    payload: row.get::<String>(7)?.unwrap_or_default(),
-                    headers: row.get::<String>(8)?,
-                    stream: row.get::<String>(9)?,
-                    created_at: row.get::<String>(10)?.unwrap_or_default(),
-                });
-            }
-            Ok::<_, pgrx::spi::Error>(events)
-        })?;
-        // Oldest first (the function returns them so; this does not rely on it).
-        events.sort_unstable_by_key(|event| event.id);
-        let mut events = drop_held_elsewhere(events, &held_elsewhere, in_order);
-        if in_order {
-            events = cut_runs_at_gaps(events);
-            let waiting = aggregates_waiting(&events)?;
-            // Usually nobody waits: skip the per-event key copies the lookup needs.
-            if !waiting.is_empty() {
-                events.retain(|event| !waiting.contains(&(event.aggregate_type.clone(), event.aggregate_id.clone())));
-            }
-        }
-        // Oldest first; each aggregate's events are a prefix of its run, so cutting here keeps order.
-        events.truncate(batch_size);
-        events.truncate(within_batch_bytes(&events, BATCH_BYTES));
-        if !events.is_empty() {
-            let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
-            claims::register(slot, &ids);
-        }
-        Ok(Claimed::Events { events, installation })
-    })
-}
-
-/// What a claim took.
-enum Claimed {
-    /// These events, from the installation of the extension whose OID is given.
-    Events { events: Vec<OutboxEvent>, installation: pg_sys::Oid },
-    /// Nothing: the relay is stopping.
-    Stopping,
-}
-
-/// The most bytes of events one round sends. Redis closes the connection of a client whose
-/// unread input passes `client-query-buffer-limit` (1 GB by default); a batch above it would fail
-/// as a whole, round after round, and stall the outbox. 64 MB keeps well below it and still
-/// carries thousands of ordinary events.
-const BATCH_BYTES: usize = 64 * 1024 * 1024;
-
-/// How many of `events` (oldest first) fit in `budget` bytes; always at least one, so that an event
-/// larger than the budget still goes (alone).
-pub fn within_batch_bytes(events: &[OutboxEvent], budget: usize) -> usize {
-    let mut total = 0usize;
-    for (index, event) in events.iter().enumerate() {
-        total = total.saturating_add(event.approximate_size());
-        if total > budget {
-            return index.max(1);
-        }
-    }
-    events.len()
-}
-
-/// The OID of the installed extension: which installation's rows a claim read. A settle checks it
-/// is unchanged, because `DROP EXTENSION` and `CREATE EXTENSION` between a claim and its settle
-/// start the ids again at 1, and marking rows by id would then mark other events, never
-/// delivered, as published.
+/// The OID of the installed extension: which installation's log a batch was read from. A finish
+/// checks it is unchanged, because after `DROP EXTENSION` and `CREATE EXTENSION` the cursors and
+/// counters it would write belong to another log.
 fn installation() -> pg_sys::Oid {
     // SAFETY: a catalog lookup inside a transaction; missing_ok, so it returns InvalidOid rather
     // than raising.
     unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) }
 }
 
-/// Step 2 of the per-aggregate order check, in the database: the aggregates of `events` that have
-/// an event below their first one in the batch still undelivered (`outbox._relay_waiting`).
-fn aggregates_waiting(events: &[OutboxEvent]) -> Result<HashSet<(String, String)>, pgrx::spi::Error> {
-    let heads = first_of_each_aggregate(events);
-    if heads.is_empty() {
-        return Ok(HashSet::new());
-    }
-    let types: Vec<String> = heads.iter().map(|e| e.aggregate_type.clone()).collect();
-    let ids: Vec<String> = heads.iter().map(|e| e.aggregate_id.clone()).collect();
-    let seqs: Vec<i64> = heads.iter().map(|e| e.aggregate_seq).collect();
-    Spi::connect_mut(|client| {
-        let rows = client.update(WAITING, None, &[types.into(), ids.into(), seqs.into()])?;
-        let mut waiting = HashSet::new();
-        for row in rows {
-            if let Some(position) = row.get::<i64>(1)? {
-                let head = heads[(position - 1) as usize];
-                waiting.insert((head.aggregate_type.clone(), head.aggregate_id.clone()));
-            }
-        }
-        Ok(waiting)
+/// An event read from the log, and the transaction that wrote it.
+#[derive(Debug, Clone)]
+struct LogEvent {
+    txid: i64,
+    event: OutboxEvent,
+}
+
+/// One shard's part of a round.
+#[derive(Debug, Clone)]
+struct ShardBatch {
+    shard: i16,
+    /// The cursor to store when the batch is finished.
+    next_cursor: String,
+    /// Whether the cursor is stored at all: a shard with no events moves only now and then.
+    advance: bool,
+}
+
+/// What a round read.
+#[derive(Debug, Default)]
+struct Batch {
+    installation: pg_sys::Oid,
+    shards: Vec<ShardBatch>,
+    /// From the log, oldest first (id order), each with its `aggregate_seq` assigned.
+    events: Vec<OutboxEvent>,
+    /// Their aggregates' counters after the batch: (type, id, last_seq).
+    counters: Vec<(String, String, i64)>,
+    /// Of `events`, the ids of those whose aggregate has events on the failure path: they go there
+    /// too, behind them, without being sent.
+    diverted: HashSet<i64>,
+    /// From the failure path, due now (aggregate_seq stored with them).
+    held_due: Vec<OutboxEvent>,
+    /// A shard's batch was cut (or the failure path has more due): go again at once.
+    more: bool,
+}
+
+/// `xmax` of a `pg_snapshot` in its text form `xmin:xmax:xip,...`.
+fn snapshot_xmax(snapshot: &str) -> Option<i64> {
+    snapshot.split(':').nth(1)?.parse().ok()
+}
+
+/// An event of the log: (txid, id, event_id, aggregate_type, aggregate_id, event_type, payload,
+/// headers, stream, created_at), as outbox._read_shard returns it. Its aggregate_seq is assigned
+/// later (read_round).
+fn log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<LogEvent, pgrx::spi::Error> {
+    Ok(LogEvent {
+        txid: row.get::<i64>(1)?.unwrap_or_default(),
+        event: OutboxEvent {
+            id: row.get::<i64>(2)?.unwrap_or_default(),
+            event_id: row.get::<String>(3)?.unwrap_or_default(),
+            aggregate_type: row.get::<String>(4)?.unwrap_or_default(),
+            aggregate_id: row.get::<String>(5)?.unwrap_or_default(),
+            aggregate_seq: 0,
+            event_type: row.get::<String>(6)?.unwrap_or_default(),
+            payload: row.get::<String>(7)?.unwrap_or_default(),
+            headers: row.get::<String>(8)?,
+            stream: row.get::<String>(9)?,
+            created_at: row.get::<String>(10)?.unwrap_or_default(),
+        },
     })
 }
 
-/// Drops the events another relay holds and, in per-aggregate order, every later event of their
-/// aggregates (they must wait for the held one). `events` are in id order.
-pub fn drop_held_elsewhere(
-    events: Vec<OutboxEvent>,
-    held_elsewhere: &HashSet<i64>,
-    in_order: bool,
-) -> Vec<OutboxEvent> {
-    if held_elsewhere.is_empty() {
-        return events;
-    }
-    let mut waiting: HashSet<(String, String)> = HashSet::new();
-    let mut kept = Vec::with_capacity(events.len());
-    for event in events {
-        let held = held_elsewhere.contains(&event.id);
-        if in_order {
-            let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
-            if held || waiting.contains(&aggregate) {
-                waiting.insert(aggregate);
-                continue;
-            }
-        } else if held {
-            continue;
-        }
-        kept.push(event);
-    }
-    kept
+/// An event of the failure path: (id, event_id, aggregate_type, aggregate_id, aggregate_seq,
+/// event_type, payload, headers, stream, created_at), as outbox._held_due returns it.
+fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
+    Ok(OutboxEvent {
+        id: row.get::<i64>(1)?.unwrap_or_default(),
+        event_id: row.get::<String>(2)?.unwrap_or_default(),
+        aggregate_type: row.get::<String>(3)?.unwrap_or_default(),
+        aggregate_id: row.get::<String>(4)?.unwrap_or_default(),
+        aggregate_seq: row.get::<i64>(5)?.unwrap_or_default(),
+        event_type: row.get::<String>(6)?.unwrap_or_default(),
+        payload: row.get::<String>(7)?.unwrap_or_default(),
+        headers: row.get::<String>(8)?,
+        stream: row.get::<String>(9)?,
+        created_at: row.get::<String>(10)?.unwrap_or_default(),
+    })
 }
 
-/// Step 2 of the per-aggregate order check, in memory. `events` are in id order. Each aggregate's
-/// events are put in `aggregate_seq` order (in the places its events held, so the batch stays
-/// oldest first) and cut at the first gap in the sequence: an event whose predecessor is not in
-/// the batch waits for it. Ids follow `aggregate_seq` within an aggregate whenever ids are handed
-/// out in order (the identity's default), so the reordering is only a safeguard.
-pub fn cut_runs_at_gaps(events: Vec<OutboxEvent>) -> Vec<OutboxEvent> {
-    let mut by_aggregate: HashMap<(&str, &str), Vec<usize>> = HashMap::new();
-    for (index, event) in events.iter().enumerate() {
-        by_aggregate.entry((event.aggregate_type.as_str(), event.aggregate_id.as_str())).or_default().push(index);
+fn read_log(
+    client: &mut pgrx::spi::SpiClient<'_>,
+    shard: i16,
+    cursor: &str,
+    upto: &str,
+    max_events: i32,
+) -> Result<Vec<LogEvent>, pgrx::spi::Error> {
+    let rows = client.update(READ_SHARD, None, &[shard.into(), cursor.into(), upto.into(), max_events.into()])?;
+    let mut events = Vec::with_capacity(rows.len());
+    for row in rows {
+        events.push(log_event(&row)?);
     }
-    // For each place in the batch, which event goes there (None: its aggregate's run was cut).
-    let mut placed: Vec<Option<usize>> = vec![None; events.len()];
-    for places in by_aggregate.values() {
-        let mut by_seq = places.clone();
-        by_seq.sort_unstable_by_key(|&index| events[index].aggregate_seq);
-        let first_seq = events[by_seq[0]].aggregate_seq;
-        for (offset, (&place, &index)) in places.iter().zip(&by_seq).enumerate() {
-            if events[index].aggregate_seq != first_seq + offset as i64 {
-                break;
-            }
-            placed[place] = Some(index);
-        }
-    }
-    let mut slots: Vec<Option<OutboxEvent>> = events.into_iter().map(Some).collect();
-    placed.into_iter().flatten().filter_map(|index| slots[index].take()).collect()
+    Ok(events)
 }
 
-/// The first event of each aggregate in `events` (its lowest `aggregate_seq` after
-/// `cut_runs_at_gaps`, which puts it first).
-fn first_of_each_aggregate(events: &[OutboxEvent]) -> Vec<&OutboxEvent> {
+/// Claims this relay's shards and reads a round: each shard's batch (cut at a transaction
+/// boundary after `batch_size` events), the failure path's due events, and what the batch's
+/// aggregates need (counters, whether they have events waiting on the failure path). Writes only
+/// when shards change hands. `Ok(None)` when the extension is not installed.
+fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
+    let settings = settings.clone();
+    txn::run(move || -> Result<Option<Batch>, pgrx::spi::Error> {
+        let installation = installation();
+        if installation == pg_sys::InvalidOid {
+            return Ok(None);
+        }
+        Spi::connect_mut(|client| {
+            let mut batch = Batch { installation, ..Batch::default() };
+            let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
+            let claimed: Vec<(i16, String, i64)> = client
+                .update(CLAIM, None, &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()])?
+                .map(|row| {
+                    Ok((
+                        row.get::<i16>(1)?.unwrap_or_default(),
+                        row.get::<String>(2)?.unwrap_or_default(),
+                        row.get::<i64>(3)?.unwrap_or_default(),
+                    ))
+                })
+                .collect::<Result<_, pgrx::spi::Error>>()?;
+            if claimed.is_empty() {
+                return Ok(Some(batch));
+            }
+            // Taken after the claim: this statement's snapshot is what the batch reads up to, and
+            // the reads below see every transaction it shows as committed.
+            let upto: String = client.update(SNAPSHOT, None, &[])?.first().get::<String>(1)?.unwrap_or_default();
+            let limit = settings.batch_size.min(i32::MAX as usize - 1) as i32;
+            let mut log = Vec::new();
+            for (shard, cursor, age_ms) in &claimed {
+                let mut events = read_log(client, *shard, cursor, &upto, limit + 1)?;
+                let cursor_xmax = snapshot_xmax(cursor).unwrap_or(0);
+                let ranged = events.iter().filter(|e| e.txid >= cursor_xmax).count();
+                let mut next_cursor = upto.clone();
+                if ranged > settings.batch_size {
+                    // Cut at a transaction boundary: the first transaction beyond the limit, and
+                    // all of its events, wait for the next round.
+                    let bound = events[events.len() - 1].txid;
+                    events.retain(|e| e.txid < bound);
+                    if events.iter().all(|e| e.txid < cursor_xmax) {
+                        // One transaction larger than the batch: take it whole.
+                        next_cursor = cursor_below(client, &upto, bound + 1)?;
+                        events = read_log(client, *shard, cursor, &next_cursor, i32::MAX)?;
+                    } else {
+                        next_cursor = cursor_below(client, &upto, bound)?;
+                    }
+                    batch.more = true;
+                }
+                let advance = !events.is_empty() || Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE;
+                batch.shards.push(ShardBatch { shard: *shard, next_cursor, advance });
+                log.extend(events.into_iter().map(|e| e.event));
+            }
+            let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
+            let held =
+                client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
+            for row in held {
+                batch.held_due.push(held_event(&row)?);
+            }
+            batch.more |= batch.held_due.len() >= settings.batch_size;
+            // Each aggregate's events in id order, which is its commit order (src/order.rs).
+            log.sort_unstable_by_key(|event| event.id);
+            let aggregates = distinct_aggregates(&log);
+            if !aggregates.is_empty() {
+                let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
+                let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
+                let mut last_seq = vec![0i64; aggregates.len()];
+                for row in client.update(COUNTERS, None, &[types.clone().into(), ids.clone().into()])? {
+                    let position = row.get::<i64>(1)?.unwrap_or_default() as usize;
+                    last_seq[position - 1] = row.get::<i64>(2)?.unwrap_or_default();
+                }
+                let mut waiting = HashSet::new();
+                if settings.in_order {
+                    for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
+                        waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
+                    }
+                }
+                let index: HashMap<(&str, &str), usize> =
+                    aggregates.iter().enumerate().map(|(n, (t, i))| ((t.as_str(), i.as_str()), n)).collect();
+                for event in &mut log {
+                    let position = index[&(event.aggregate_type.as_str(), event.aggregate_id.as_str())];
+                    last_seq[position] += 1;
+                    event.aggregate_seq = last_seq[position];
+                    if waiting.contains(&position) {
+                        batch.diverted.insert(event.id);
+                    }
+                }
+                batch.counters = aggregates.into_iter().zip(last_seq).map(|((t, i), seq)| (t, i, seq)).collect();
+            }
+            batch.events = log;
+            Ok(Some(batch))
+        })
+    })
+}
+
+fn cursor_below(client: &mut pgrx::spi::SpiClient<'_>, upto: &str, bound: i64) -> Result<String, pgrx::spi::Error> {
+    Ok(client.update(CURSOR_BELOW, None, &[upto.into(), bound.into()])?.first().get::<String>(1)?.unwrap_or_default())
+}
+
+/// The distinct aggregates of `events`, in order of first appearance.
+fn distinct_aggregates(events: &[OutboxEvent]) -> Vec<(String, String)> {
     let mut seen = HashSet::new();
-    events.iter().filter(|event| seen.insert((event.aggregate_type.as_str(), event.aggregate_id.as_str()))).collect()
+    events
+        .iter()
+        .filter(|e| seen.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())))
+        .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
+        .collect()
 }
 
-/// How a claimed batch is settled.
+/// How a round is finished.
 #[derive(Default)]
 struct Settlement {
-    /// Redis stored these.
-    published: Vec<i64>,
-    /// Redis refused these because of the entries themselves, grouped by error.
-    rejected: BTreeMap<String, Vec<i64>>,
-    /// Redis failed as a whole for these, grouped by error: they stay pending, with the error.
-    released: BTreeMap<String, Vec<i64>>,
+    /// Log events that go to the failure path: (event_id, aggregate_seq, the rejection if Redis
+    /// rejected this one; None for events waiting behind one).
+    hold: Vec<(String, i64, Option<String>)>,
+    /// Failure-path events Redis accepted.
+    held_published: Vec<i64>,
+    /// Failure-path events Redis rejected again, with the error.
+    held_rejected: Vec<(i64, String)>,
 }
 
-/// What a settle wrote.
+/// What a finish wrote.
 #[derive(Debug, Clone, Copy, Default)]
-struct Settled {
-    /// Rows marked published.
-    published: i64,
-    /// Rows that reached `outbox.max_attempts` and became failed.
+struct Finished {
     dead_lettered: i64,
 }
 
-/// Writes the batch's outcome in one transaction, if the rows still belong to the installation
-/// they were claimed from (`installation`).
-fn settle(settlement: Settlement, settings: &TickSettings, claimed_from: pg_sys::Oid) -> Result<Settled, String> {
-    let (max_attempts, retry_delay_ms) = (settings.max_attempts, settings.retry_delay_ms);
-    txn::run(move || -> Result<Settled, String> {
-        let mut settled = Settled::default();
-        settle_rows(settlement, max_attempts, retry_delay_ms, &mut settled).map_err(|e| e.to_string())?;
-        // Checked after the writes, in their transaction: the rows they touched stay locked until
-        // it ends, so a DROP EXTENSION cannot slip in between this check and the commit, and one
-        // that committed before the writes shows here as another OID (or none).
-        if installation() != claimed_from {
-            return Err("outbox_pg was dropped and created again while this batch was being published; \
-                        its rows are gone, so nothing was settled"
-                .to_string());
-        }
-        Ok(settled)
-    })
-}
-
-fn settle_rows(
-    settlement: Settlement,
-    max_attempts: i32,
-    retry_delay_ms: i32,
-    settled: &mut Settled,
-) -> Result<(), pgrx::spi::Error> {
-    {
-        if !settlement.published.is_empty() {
-            settled.published =
-                Spi::get_one_with_args::<i64>(MARK_PUBLISHED, &[settlement.published.into()])?.unwrap_or(0);
-        }
-        for (error, ids) in settlement.rejected {
-            settled.dead_lettered += Spi::get_one_with_args::<i64>(
-                REJECT,
-                &[ids.into(), error.into(), max_attempts.into(), retry_delay_ms.into()],
-            )?
+/// Writes the round's outcome in one transaction, if the log still belongs to the installation
+/// the batch was read from.
+fn finish(settlement: Settlement, batch: &Batch, settings: &TickSettings) -> Result<Finished, String> {
+    let (max_attempts, retry_delay_ms, pid) = (settings.max_attempts, settings.retry_delay_ms, settings.pid);
+    let advancing: Vec<&ShardBatch> = batch.shards.iter().filter(|s| s.advance).collect();
+    let shards: Vec<i16> = advancing.iter().map(|s| s.shard).collect();
+    let cursors: Vec<String> = advancing.iter().map(|s| s.next_cursor.clone()).collect();
+    let counter_types: Vec<String> = batch.counters.iter().map(|(t, ..)| t.clone()).collect();
+    let counter_ids: Vec<String> = batch.counters.iter().map(|(_, i, _)| i.clone()).collect();
+    let counter_seqs: Vec<i64> = batch.counters.iter().map(|(.., s)| *s).collect();
+    let read_from = batch.installation;
+    txn::run(move || -> Result<Finished, String> {
+        let mut finished = Finished::default();
+        let spi = |e: pgrx::spi::Error| e.to_string();
+        if !settlement.hold.is_empty() {
+            let event_ids: Vec<String> = settlement.hold.iter().map(|(e, ..)| e.clone()).collect();
+            let seqs: Vec<i64> = settlement.hold.iter().map(|(_, s, _)| *s).collect();
+            let errors: Vec<Option<String>> = settlement.hold.iter().map(|(.., e)| e.clone()).collect();
+            finished.dead_lettered += Spi::get_one_with_args::<i64>(
+                HOLD,
+                &[event_ids.into(), seqs.into(), errors.into(), max_attempts.into(), retry_delay_ms.into()],
+            )
+            .map_err(spi)?
             .unwrap_or(0);
         }
-        for (error, ids) in settlement.released {
-            Spi::get_one_with_args::<i64>(RELEASE, &[ids.into(), error.into()])?;
+        if !settlement.held_published.is_empty() || !settlement.held_rejected.is_empty() {
+            let rejected: Vec<i64> = settlement.held_rejected.iter().map(|(id, _)| *id).collect();
+            let errors: Vec<String> = settlement.held_rejected.iter().map(|(_, e)| e.clone()).collect();
+            finished.dead_lettered += Spi::get_one_with_args::<i64>(
+                SETTLE_HELD,
+                &[
+                    settlement.held_published.into(),
+                    rejected.into(),
+                    errors.into(),
+                    max_attempts.into(),
+                    retry_delay_ms.into(),
+                ],
+            )
+            .map_err(spi)?
+            .unwrap_or(0);
         }
-        Ok(())
-    }
+        if !shards.is_empty() || !counter_types.is_empty() {
+            Spi::run_with_args(
+                ADVANCE,
+                &[
+                    pid.into(),
+                    shards.into(),
+                    cursors.into(),
+                    counter_types.into(),
+                    counter_ids.into(),
+                    counter_seqs.into(),
+                ],
+            )
+            .map_err(spi)?;
+        }
+        // Checked after the writes, in their transaction: the rows they touched stay locked until
+        // it ends, so a DROP EXTENSION cannot slip in between this check and the commit.
+        if installation() != read_from {
+            return Err("outbox_pg was dropped and created again while this batch was being published; \
+                        nothing was finished"
+                .to_string());
+        }
+        Ok(finished)
+    })
 }
 
 /// How long each phase of a round took, for `outbox.log_min_duration`.
@@ -375,98 +424,152 @@ impl RoundTimings {
     }
 }
 
-/// Releases the relay's claim when the round ends, whichever way: after the settling transaction
-/// committed, or after a failure (the unsettled rows are pending and will be claimed again).
-struct HeldClaim(usize);
+/// Clears what the relay has in flight when the round ends, whichever way.
+struct InFlight(usize);
 
-impl Drop for HeldClaim {
+impl Drop for InFlight {
     fn drop(&mut self) {
         claims::clear(self.0);
     }
 }
 
-/// One round: claim, publish, settle. `timings` receives the time of each phase that ran.
-pub fn tick(
-    sink: &mut RedisSink,
-    settings: &TickSettings,
-    timings: &mut RoundTimings,
-    stop_requested: &dyn Fn() -> bool,
-) -> TickOutcome {
+/// Where an event of the publish list came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Source {
+    Log,
+    Held,
+}
+
+/// One round: read, publish, finish. `timings` receives the time of each phase that ran.
+pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTimings) -> TickOutcome {
     let started = Instant::now();
-    let claimed_events = claim(settings, stop_requested);
+    let read = read_round(settings);
     timings.claim = started.elapsed();
-    let _held = HeldClaim(settings.slot);
-    let (events, installation) = match claimed_events {
+    let batch = match read {
         Err(error) => return TickOutcome::DatabaseError(error),
         Ok(None) => return TickOutcome::ExtensionMissing,
-        Ok(Some(Claimed::Stopping)) => return TickOutcome::Stopping,
-        Ok(Some(Claimed::Events { events, .. })) if events.is_empty() => return TickOutcome::Idle,
-        Ok(Some(Claimed::Events { events, installation })) => (events, installation),
+        Ok(Some(batch)) => batch,
     };
-    let claimed = events.len();
-    let mut settlement = Settlement::default();
-    // Events held back from this round stay pending and need no write: the claim never wrote.
-    let events = if settings.in_order { split_runs(events, &settings.stream_template).0 } else { events };
+    let claimed = batch.events.len() + batch.held_due.len();
+    if claimed == 0 {
+        // Idle shards' cursors still move now and then (retention needs them past closed tables).
+        if batch.shards.iter().any(|s| s.advance) {
+            if let Err(error) = finish(Settlement::default(), &batch, settings) {
+                return TickOutcome::DatabaseError(error);
+            }
+        }
+        return TickOutcome::Idle;
+    }
+    claims::begin(settings.slot, claimed);
+    let _in_flight = InFlight(settings.slot);
 
-    let mut broker_error = None;
-    let mut last_rejection = None;
+    // The failure path's due events first (they are older), then the log's, except those whose
+    // aggregate waits on the failure path.
+    let mut settlement = Settlement::default();
+    let mut to_send: Vec<(Source, OutboxEvent)> = Vec::with_capacity(claimed);
+    to_send.extend(batch.held_due.iter().cloned().map(|e| (Source::Held, e)));
+    for event in &batch.events {
+        if batch.diverted.contains(&event.id) {
+            settlement.hold.push((event.event_id.clone(), event.aggregate_seq, None));
+        } else {
+            to_send.push((Source::Log, event.clone()));
+        }
+    }
+    if settings.in_order {
+        for deferred in defer_stream_changes(&mut to_send, &settings.stream_template) {
+            if deferred.0 == Source::Log {
+                settlement.hold.push((deferred.1.event_id.clone(), deferred.1.aggregate_seq, None));
+            }
+        }
+    }
+
+    let events: Vec<OutboxEvent> = to_send.iter().map(|(_, e)| e.clone()).collect();
     let started = Instant::now();
     let sent = sink.publish(&events, &settings.stream_template, settings.stream_maxlen);
     timings.publish = started.elapsed();
-    match sent {
-        Ok(outcomes) => {
-            for (event, outcome) in events.iter().zip(outcomes) {
-                match outcome {
-                    EntryOutcome::Published => settlement.published.push(event.id),
-                    EntryOutcome::Rejected(error) => {
-                        last_rejection = Some(error.clone());
-                        settlement.rejected.entry(error).or_default().push(event.id);
-                    }
-                    EntryOutcome::BrokerRefused(error) => {
-                        broker_error.get_or_insert_with(|| BrokerError(error.clone()));
-                        settlement.released.entry(error).or_default().push(event.id);
-                    }
-                    // Left pending; claimed again next round.
-                    EntryOutcome::NotSent => {}
-                }
+    let outcomes = match sent {
+        Ok(outcomes) => outcomes,
+        Err(error) => return TickOutcome::BrokerDown { error, published: 0 },
+    };
+    let mut published = 0;
+    let mut rejected = 0;
+    let mut last_rejection = None;
+    let mut broken: HashSet<(String, String)> = HashSet::new();
+    for ((source, event), outcome) in to_send.iter().zip(&outcomes) {
+        if let EntryOutcome::BrokerRefused(error) = outcome {
+            // Redis as a whole refused part of the batch: finish nothing, read it all again later.
+            return TickOutcome::BrokerDown { error: BrokerError(error.clone()), published };
+        }
+        let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
+        match (source, outcome) {
+            (Source::Held, EntryOutcome::Published) => {
+                published += 1;
+                settlement.held_published.push(event.id);
+            }
+            (Source::Held, EntryOutcome::Rejected(error)) => {
+                rejected += 1;
+                last_rejection = Some(error.clone());
+                settlement.held_rejected.push((event.id, error.clone()));
+            }
+            (Source::Held, _) => {}
+            (Source::Log, EntryOutcome::Published) if !(settings.in_order && broken.contains(&aggregate)) => {
+                published += 1;
+            }
+            (Source::Log, EntryOutcome::Rejected(error)) => {
+                rejected += 1;
+                last_rejection = Some(error.clone());
+                settlement.hold.push((event.event_id.clone(), event.aggregate_seq, Some(error.clone())));
+                broken.insert(aggregate);
+            }
+            // Not sent, or (in order) published after an earlier event of its aggregate failed in
+            // this same batch, which cannot happen with one stream key per run but is handled
+            // anyway: it waits on the failure path, behind the rejected one.
+            (Source::Log, _) => {
+                settlement.hold.push((event.event_id.clone(), event.aggregate_seq, None));
+                broken.insert(aggregate);
             }
         }
-        Err(error) => {
-            settlement.released.insert(error.0.clone(), events.iter().map(|event| event.id).collect());
-            broker_error = Some(error);
-        }
     }
 
-    if settings.fault == FaultInjection::CrashAfterPublish && !settlement.published.is_empty() {
-        crash_after_publish(settlement.published.len());
+    if settings.fault == FaultInjection::CrashAfterPublish && published > 0 {
+        crash_after_publish(published);
     }
 
-    let published = settlement.published.len();
-    let rejected = settlement.rejected.values().map(Vec::len).sum();
-    // If settling fails the rows stay pending and are published again once the claim is
-    // released: a duplicate, never a loss.
+    // If finishing fails nothing is finished: the batch is read and published again (duplicates,
+    // never a loss).
     let started = Instant::now();
-    let settled = settle(settlement, settings, installation);
+    let finished = finish(settlement, &batch, settings);
     timings.settle = started.elapsed();
-    let dead_lettered = match settled {
-        Ok(settled) => {
-            shmem::add_published(settled.published);
-            settled.dead_lettered
+    let dead_lettered = match finished {
+        Ok(finished) => {
+            shmem::add_published(published as i64);
+            finished.dead_lettered
         }
         Err(error) => return TickOutcome::DatabaseError(error),
     };
-    match broker_error {
-        Some(error) => TickOutcome::BrokerDown { error, published },
-        None => TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection },
-    }
+    TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection, more: batch.more }
 }
 
-/// In per-aggregate order, a batch may hold several consecutive events of one aggregate. Redis
+/// In per-aggregate order, a round may carry several consecutive events of one aggregate. Redis
 /// rejects an entry because of its stream key (e.g. WRONGTYPE), so events to the same key share
 /// their fate: if the first is rejected, so are the later ones, and order holds. An event bound for
-/// a *different* key than its aggregate's earlier events in the batch could succeed where they
-/// fail, so it and the rest of its aggregate's run wait for the next round. Events are in id order,
-/// which within an aggregate is `aggregate_seq` order.
+/// a *different* key than its aggregate's earlier events in the round could succeed where they
+/// fail, so it and the rest of its aggregate's events are taken out of the round and returned.
+fn defer_stream_changes(to_send: &mut Vec<(Source, OutboxEvent)>, stream_template: &str) -> Vec<(Source, OutboxEvent)> {
+    let events: Vec<OutboxEvent> = to_send.iter().map(|(_, e)| e.clone()).collect();
+    let (_, deferred) = split_runs(events, stream_template);
+    if deferred.is_empty() {
+        return Vec::new();
+    }
+    let deferred: HashSet<i64> = deferred.into_iter().collect();
+    let (kept, taken): (Vec<_>, Vec<_>) = to_send.drain(..).partition(|(_, e)| !deferred.contains(&e.id));
+    *to_send = kept;
+    taken
+}
+
+/// Splits `events` (in per-aggregate order) into those that go now and the ids of those deferred:
+/// once an aggregate's stream key changes within the round, that event and every later one of the
+/// aggregate wait.
 pub fn split_runs(events: Vec<OutboxEvent>, stream_template: &str) -> (Vec<OutboxEvent>, Vec<i64>) {
     let mut run_key: HashMap<(String, String), Option<String>> = HashMap::new();
     let mut sent = Vec::with_capacity(events.len());
@@ -486,25 +589,22 @@ pub fn split_runs(events: Vec<OutboxEvent>, stream_template: &str) -> (Vec<Outbo
     (sent, deferred)
 }
 
-/// `outbox.fault_injection = crash_after_publish`: exit between a successful XADD and the mark, as
+/// `outbox.fault_injection = crash_after_publish`: exit between a successful XADD and the finish, as
 /// a crash would, once per arming (setting it to `none` re-arms it). The launcher starts a new
-/// relay, which publishes this one's events again (its claim in shared memory is released when it
-/// exits).
+/// relay, which reads the same batch and publishes it again.
 fn crash_after_publish(published: usize) {
     if shmem::fault_fired() {
         return;
     }
     shmem::set_fault_fired(true);
-    log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before marking them published");
+    log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before finishing the batch");
     // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
     unsafe { pg_sys::proc_exit(1) };
 }
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashSet;
-
-    use super::{cut_runs_at_gaps, drop_held_elsewhere, first_of_each_aggregate, split_runs};
+    use super::{distinct_aggregates, snapshot_xmax, split_runs};
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -539,61 +639,15 @@ mod tests {
     }
 
     #[test]
-    fn events_held_by_another_relay_hold_back_their_aggregate_only() {
-        let events = vec![event(1, "a", None), event(2, "b", None), event(3, "a", None), event(4, "c", None)];
-        let held = HashSet::from([1]);
-        let kept = drop_held_elsewhere(events.clone(), &held, true);
-        // 3 waits for 1 (held elsewhere); b and c are unaffected.
-        assert_eq!(ids(&kept), [2, 4]);
-        // Without per-aggregate order only the held event itself is dropped.
-        let kept = drop_held_elsewhere(events.clone(), &held, false);
-        assert_eq!(ids(&kept), [2, 3, 4]);
-        let kept = drop_held_elsewhere(events, &HashSet::new(), true);
-        assert_eq!(ids(&kept), [1, 2, 3, 4]);
-    }
-
-    fn ids(events: &[OutboxEvent]) -> Vec<i64> {
-        events.iter().map(|e| e.id).collect()
-    }
-
-    fn seq_event(id: i64, aggregate_id: &str, seq: i64) -> OutboxEvent {
-        OutboxEvent { aggregate_seq: seq, ..event(id, aggregate_id, None) }
+    fn aggregates_are_listed_once_in_order_of_appearance() {
+        let events = vec![event(1, "b", None), event(2, "a", None), event(3, "b", None)];
+        assert_eq!(distinct_aggregates(&events), [("acct".to_string(), "b".to_string()), ("acct".into(), "a".into())]);
     }
 
     #[test]
-    fn a_run_without_gaps_is_kept_whole() {
-        let events = vec![seq_event(1, "a", 7), seq_event(2, "b", 1), seq_event(3, "a", 8), seq_event(4, "a", 9)];
-        assert_eq!(ids(&cut_runs_at_gaps(events)), [1, 2, 3, 4]);
-    }
-
-    #[test]
-    fn a_run_is_cut_at_the_first_gap_in_its_sequence() {
-        // a#4 is missing (delivered out of order earlier, or not in the batch): a#5 and a#6 wait.
-        let events = vec![
-            seq_event(1, "a", 2),
-            seq_event(2, "a", 3),
-            seq_event(3, "b", 1),
-            seq_event(5, "a", 5),
-            seq_event(6, "a", 6),
-        ];
-        assert_eq!(ids(&cut_runs_at_gaps(events)), [1, 2, 3]);
-    }
-
-    #[test]
-    fn events_of_an_aggregate_go_out_in_sequence_order_even_if_ids_do_not_follow_it() {
-        // Ids handed out out of order (a sequence cache, say): a#1 has the higher id.
-        let events = vec![seq_event(10, "a", 2), seq_event(11, "b", 1), seq_event(12, "a", 1)];
-        let kept = cut_runs_at_gaps(events);
-        assert_eq!(
-            kept.iter().map(|e| (e.aggregate_id.as_str(), e.aggregate_seq)).collect::<Vec<_>>(),
-            [("a", 1), ("b", 1), ("a", 2)]
-        );
-    }
-
-    #[test]
-    fn the_first_event_of_each_aggregate_is_its_head() {
-        let events = vec![seq_event(1, "a", 3), seq_event(2, "b", 9), seq_event(3, "a", 4)];
-        let heads = first_of_each_aggregate(&events);
-        assert_eq!(heads.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2]);
+    fn a_snapshots_xmax_is_read_from_its_text() {
+        assert_eq!(snapshot_xmax("740:745:740,743"), Some(745));
+        assert_eq!(snapshot_xmax("12:12:"), Some(12));
+        assert_eq!(snapshot_xmax("garbage"), None);
     }
 }
