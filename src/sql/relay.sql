@@ -112,6 +112,58 @@ $fn$;
 COMMENT ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) IS
     'Relay internal: the events of one shard that became visible between its cursor and upto, oldest transaction first';
 
+-- The same for several shards in one statement (a round reads every shard its relay holds, and one
+-- statement per shard would cost a round trip through the executor each): per shard, its running
+-- transactions' events, then up to max_events from its range, in txid order.
+CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], upto pg_snapshot, max_events integer)
+RETURNS TABLE (
+    shard          smallint,
+    txid           bigint,
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+SET enable_sort = off
+SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        SELECT x.shard, b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload,
+               b.headers, b.stream, b.created_at
+          FROM unnest(shards, cursors) AS x(shard, cursor)
+         CROSS JOIN LATERAL (
+                   SELECT e.txid::text::bigint AS txid, e.id, e.event_id::text AS event_id, e.aggregate_type,
+                          e.aggregate_id, e.event_type, e.payload::text AS payload, e.headers::text AS headers,
+                          e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at
+                     FROM outbox.events e
+                    WHERE e.shard = x.shard
+                      AND e.txid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(x.cursor::pg_snapshot)))
+                      AND pg_catalog.pg_visible_in_snapshot(e.txid, upto)
+                   UNION ALL
+                   (SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id,
+                           e.event_type, e.payload::text, e.headers::text, e.stream,
+                           to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+                      FROM outbox.events e
+                     WHERE e.shard = x.shard
+                       AND e.txid >= pg_catalog.pg_snapshot_xmax(x.cursor::pg_snapshot)
+                       AND e.txid < pg_catalog.pg_snapshot_xmax(upto)
+                       AND pg_catalog.pg_visible_in_snapshot(e.txid, upto)
+                     ORDER BY e.txid
+                     LIMIT max_events)) b;
+END
+$fn$;
+
 -- The cursor that consumes, of snapshot upto, only the transactions below bound: what a batch cut
 -- at a transaction boundary consumes. Every transaction below bound is visible in it exactly when
 -- it is visible in upto; none from bound on is.
@@ -421,6 +473,7 @@ COMMENT ON FUNCTION outbox._retention(interval, boolean) IS
 REVOKE ALL ON FUNCTION outbox._initial_cursor() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._cursor_below(pg_snapshot, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._counters(text[], text[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) FROM PUBLIC;

@@ -52,6 +52,9 @@ struct Relay {
     outage_target: Option<String>,
     retry_at: Option<Instant>,
     database: String,
+    /// Shards held in the last round that got that far: holding fewer now means shards were given
+    /// back (outbox.workers was raised), and the other relays are woken to take them.
+    shards_held: usize,
 }
 
 #[pg_guard]
@@ -103,6 +106,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         outage_target: None,
         retry_at: None,
         database: guc::database(),
+        shards_held: 0,
     };
     relay.sink.configure(redis_config());
     log!("outbox_pg relay {} started: database \"{}\", Redis at {}", relay.slot, relay.database, relay.sink.describe());
@@ -214,6 +218,12 @@ impl Relay {
         let mut timings = RoundTimings::default();
         let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
         shmem::set_redis_connected(self.sink.is_connected());
+        if let Some(held) = timings.shards_held {
+            if held < self.shards_held {
+                shmem::wake_relays();
+            }
+            self.shards_held = held;
+        }
         log_if_slow_round(&outcome, &timings);
         if timings.total() >= settings.lease && !matches!(outcome, TickOutcome::Idle) {
             warning!(
@@ -269,6 +279,8 @@ impl Relay {
             return Ok(false);
         };
         if found.reaped > 0 {
+            // Free shards: the relays below their share take them at once, not at their next poll.
+            shmem::wake_relays();
             log!(
                 "outbox_pg: freed {} shards of a relay that exited or whose lease expired; the other relays take them over and publish what it had not finished",
                 found.reaped

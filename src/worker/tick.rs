@@ -68,6 +68,9 @@ const SNAPSHOT: &str = "SELECT pg_catalog.pg_current_snapshot()::text";
 const READ_SHARD: &str =
     "SELECT txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
                           created_at FROM outbox._read_shard($1, $2::pg_snapshot, $3::pg_snapshot, $4)";
+const READ_BATCH: &str =
+    "SELECT shard, txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
+                          stream, created_at FROM outbox._read_batch($1, $2, $3::pg_snapshot, $4)";
 const CURSOR_BELOW: &str = "SELECT outbox._cursor_below($1::pg_snapshot, $2)";
 const HELD_DUE: &str =
     "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
@@ -183,6 +186,25 @@ fn log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<LogEvent, pgrx::spi::E
     })
 }
 
+/// A row of outbox._read_batch: the shard, then a log event's columns.
+fn shifted_log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<LogEvent, pgrx::spi::Error> {
+    Ok(LogEvent {
+        txid: row.get::<i64>(2)?.unwrap_or_default(),
+        event: OutboxEvent {
+            id: row.get::<i64>(3)?.unwrap_or_default(),
+            event_id: row.get::<String>(4)?.unwrap_or_default(),
+            aggregate_type: row.get::<String>(5)?.unwrap_or_default(),
+            aggregate_id: row.get::<String>(6)?.unwrap_or_default(),
+            aggregate_seq: 0,
+            event_type: row.get::<String>(7)?.unwrap_or_default(),
+            payload: row.get::<String>(8)?.unwrap_or_default(),
+            headers: row.get::<String>(9)?,
+            stream: row.get::<String>(10)?,
+            created_at: row.get::<String>(11)?.unwrap_or_default(),
+        },
+    })
+}
+
 /// An event of the failure path: (id, event_id, aggregate_type, aggregate_id, aggregate_seq,
 /// event_type, payload, headers, stream, created_at), as outbox._held_due returns it.
 fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
@@ -246,16 +268,28 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
             // the reads below see every transaction it shows as committed.
             let upto: String = client.update(SNAPSHOT, None, &[])?.first().get::<String>(1)?.unwrap_or_default();
             let limit = settings.batch_size.min(i32::MAX as usize - 1) as i32;
+            // Every shard at once, then each shard's part cut at a transaction boundary.
+            let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
+            let cursors: Vec<String> = claimed.iter().map(|(_, cursor, _)| cursor.clone()).collect();
+            let mut by_shard: HashMap<i16, Vec<LogEvent>> = HashMap::new();
+            for row in client.update(
+                READ_BATCH,
+                None,
+                &[shards.clone().into(), cursors.into(), upto.as_str().into(), (limit + 1).into()],
+            )? {
+                let shard = row.get::<i16>(1)?.unwrap_or_default();
+                by_shard.entry(shard).or_default().push(shifted_log_event(&row)?);
+            }
             let mut log = Vec::new();
             for (shard, cursor, age_ms) in &claimed {
-                let mut events = read_log(client, *shard, cursor, &upto, limit + 1)?;
+                let mut events = by_shard.remove(shard).unwrap_or_default();
                 let cursor_xmax = snapshot_xmax(cursor).unwrap_or(0);
                 let ranged = events.iter().filter(|e| e.txid >= cursor_xmax).count();
                 let mut next_cursor = upto.clone();
                 if ranged > settings.batch_size {
                     // Cut at a transaction boundary: the first transaction beyond the limit, and
                     // all of its events, wait for the next round.
-                    let bound = events[events.len() - 1].txid;
+                    let bound = events.iter().map(|e| e.txid).max().unwrap_or_default();
                     events.retain(|e| e.txid < bound);
                     if events.iter().all(|e| e.txid < cursor_xmax) {
                         // One transaction larger than the batch: take it whole.
@@ -270,7 +304,6 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
                 batch.shards.push(ShardBatch { shard: *shard, next_cursor, advance });
                 log.extend(events.into_iter().map(|e| e.event));
             }
-            let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
             let held =
                 client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
             for row in held {
@@ -416,6 +449,8 @@ pub struct RoundTimings {
     pub claim: Duration,
     pub publish: Duration,
     pub settle: Duration,
+    /// How many shards the relay held this round (None: the round did not get that far).
+    pub shards_held: Option<usize>,
 }
 
 impl RoundTimings {
@@ -450,6 +485,7 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
         Ok(None) => return TickOutcome::ExtensionMissing,
         Ok(Some(batch)) => batch,
     };
+    timings.shards_held = Some(batch.shards.len());
     let claimed = batch.events.len() + batch.held_due.len();
     if claimed == 0 {
         // Idle shards' cursors still move now and then (retention needs them past closed tables).
