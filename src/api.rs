@@ -54,7 +54,7 @@ mod outbox {
         }
         // Last, right before the caller draws the event's id: see src/order.rs.
         crate::order::lock_aggregate(aggregate_type, aggregate_id);
-        wake::arm();
+        wake::arm(crate::order::shard_of(aggregate_type, aggregate_id));
         guc::max_payload_size()
     }
 

@@ -39,6 +39,9 @@ pub struct RelayShared {
     /// A database being dropped (its OID), set by the drop hook in the dropping backend: the relays
     /// connected to it exit so that DROP DATABASE does not find them there. 0 when none.
     step_aside_for: AtomicU32,
+    /// Shards (one bit each) that transactions committed events into since the relays last looked:
+    /// a round reads only these, and every shard once per poll interval.
+    committed_shards: AtomicU32,
 }
 
 /// The relay's most recent error message, truncated to fit; shown in `outbox.stats`.
@@ -196,6 +199,17 @@ pub fn relays_serve_this_database() -> bool {
 /// The database the relays serve, if one ever started.
 pub fn relay_database() -> Option<pg_sys::Oid> {
     Some(RELAY.get().relay_database.load(Ordering::SeqCst)).filter(|&oid| oid != 0).map(pg_sys::Oid::from)
+}
+
+/// Records, after a commit, the shards it enqueued into.
+pub fn mark_shards_committed(shards: u32) {
+    RELAY.get().committed_shards.fetch_or(shards, Ordering::SeqCst);
+}
+
+/// Takes, of the shards in `mine`, those committed into since the last call (a relay, at the start
+/// of a round); the other relays' shards are left flagged for them.
+pub fn take_committed_shards(mine: u32) -> u32 {
+    RELAY.get().committed_shards.fetch_and(!mine, Ordering::SeqCst) & mine
 }
 
 /// Counts events a relay published (after the settle committed).

@@ -9,8 +9,9 @@ use pgrx::pg_sys;
 use crate::shmem;
 
 thread_local! {
-    /// Whether the current transaction enqueued; cleared at every transaction end.
-    static ENQUEUED_IN_XACT: Cell<bool> = const { Cell::new(false) };
+    /// The shards the current transaction enqueued into (one bit per shard), 0 if none; cleared at
+    /// every transaction end.
+    static ENQUEUED_IN_XACT: Cell<u32> = const { Cell::new(0) };
 }
 
 /// Registers the transaction callback for this process (inherited by every backend when done in
@@ -20,9 +21,10 @@ pub fn init() {
     unsafe { pg_sys::RegisterXactCallback(Some(on_xact_event), std::ptr::null_mut()) };
 }
 
-/// Marks the current transaction as one that must wake the relay when it commits.
-pub fn arm() {
-    ENQUEUED_IN_XACT.with(|armed| armed.set(true));
+/// Marks the current transaction as one that must wake the relay when it commits, and that has
+/// events in `shard`.
+pub fn arm(shard: i16) {
+    ENQUEUED_IN_XACT.with(|armed| armed.set(armed.get() | 1u32 << (shard as u32 % 32)));
 }
 
 /// Runs at every transaction end in every backend: keep it to a flag check and `SetLatch`, since
@@ -31,7 +33,11 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     match event {
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             crate::order::transaction_ended();
-            if ENQUEUED_IN_XACT.with(|armed| armed.replace(false)) {
+            let shards = ENQUEUED_IN_XACT.with(|armed| armed.replace(0));
+            if shards != 0 {
+                // After the commit is visible: a relay that takes these bits and then a snapshot
+                // sees the transaction in it (src/worker/tick.rs reads only the flagged shards).
+                shmem::mark_shards_committed(shards);
                 shmem::wake_relays()
             }
         }
@@ -41,7 +47,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
         | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
             crate::order::transaction_ended();
-            ENQUEUED_IN_XACT.with(|armed| armed.set(false));
+            ENQUEUED_IN_XACT.with(|armed| armed.set(0));
         }
         _ => {}
     }

@@ -16,11 +16,12 @@ COMMENT ON VIEW outbox.events IS 'outbox_pg: the event log, all three generation
 
 -- Takes and keeps this relay's share of the 16 shards (FOR UPDATE SKIP LOCKED, so relays never
 -- wait on each other), gives back what is above the share, renews the lease a third of the way
--- through, and returns the shards it holds with their cursors and how long ago each moved. Shards held by a relay that exited,
+-- through, and returns the shards it holds with their cursors and how long ago each moved, the
+-- snapshot the round reads up to, and whether the failure path holds anything in them. Shards held by a relay that exited,
 -- or whose lease expired (a hung relay), are taken like free ones. Writes only when something
 -- changes hands or a lease is renewed.
 CREATE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
-RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint)
+RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
@@ -48,9 +49,15 @@ BEGIN
     END IF;
     UPDATE outbox.shards s SET claimed_at = clock_timestamp()
      WHERE s.claimed_by = relay_pid AND s.claimed_at < clock_timestamp() - (lease_ms / 3) * interval '1 millisecond';
+    -- The snapshot the round reads up to, taken after the claim, and whether the failure path has
+    -- anything in these shards (most rounds then skip it).
     RETURN QUERY
-        SELECT s.shard, s.cursor::text, (extract(epoch FROM clock_timestamp() - s.cursor_at) * 1000)::bigint
-          FROM outbox.shards s WHERE s.claimed_by = relay_pid ORDER BY s.shard;
+        WITH mine AS (SELECT s.* FROM outbox.shards s WHERE s.claimed_by = relay_pid)
+        SELECT m.shard, m.cursor::text, (extract(epoch FROM clock_timestamp() - m.cursor_at) * 1000)::bigint,
+               pg_catalog.pg_current_snapshot()::text,
+               EXISTS (SELECT 1 FROM outbox.held h
+                        WHERE h.shard IN (SELECT shard FROM mine) AND h.status IN ('waiting', 'failed'))
+          FROM mine m ORDER BY m.shard;
 END
 $fn$;
 

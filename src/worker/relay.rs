@@ -55,6 +55,10 @@ struct Relay {
     /// Shards held in the last round that got that far: holding fewer now means shards were given
     /// back (outbox.workers was raised), and the other relays are woken to take them.
     shards_held: usize,
+    /// When the next round reads every shard it holds, rather than only those commits flagged
+    /// (once per poll interval: the safety net for what no commit flagged, such as prepared
+    /// transactions committed elsewhere, and for moving idle cursors on).
+    full_read_at: Instant,
 }
 
 #[pg_guard]
@@ -107,6 +111,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         retry_at: None,
         database: guc::database(),
         shards_held: 0,
+        full_read_at: Instant::now(),
     };
     relay.sink.configure(redis_config());
     log!("outbox_pg relay {} started: database \"{}\", Redis at {}", relay.slot, relay.database, relay.sink.describe());
@@ -211,6 +216,7 @@ impl Relay {
             stream_template: guc::stream_template(),
             stream_maxlen: guc::stream_maxlen(),
             in_order: guc::ordering() == guc::Ordering::Aggregate,
+            full_read: Instant::now() >= self.full_read_at,
             max_attempts: guc::max_attempts(),
             retry_delay_ms: guc::retry_delay_ms(),
             fault: guc::fault_injection(),
@@ -218,6 +224,15 @@ impl Relay {
         let mut timings = RoundTimings::default();
         let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
         shmem::set_redis_connected(self.sink.is_connected());
+        // A cut batch or a failure reads everything again next round; otherwise a full read once
+        // per poll interval.
+        match &outcome {
+            TickOutcome::Worked { more: true, .. } | TickOutcome::BrokerDown { .. } | TickOutcome::DatabaseError(_) => {
+                self.full_read_at = Instant::now()
+            }
+            _ if settings.full_read => self.full_read_at = Instant::now() + poll,
+            _ => {}
+        }
         if let Some(held) = timings.shards_held {
             if held < self.shards_held {
                 shmem::wake_relays();

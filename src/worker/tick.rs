@@ -32,6 +32,9 @@ pub struct TickSettings {
     pub stream_maxlen: Option<u64>,
     /// Keep per-aggregate order (`outbox.ordering = aggregate`).
     pub in_order: bool,
+    /// Read every shard held, not only those committed into since the last round (the relay asks
+    /// for it once per poll interval, after a cut batch and after a failure).
+    pub full_read: bool,
     pub max_attempts: i32,
     pub retry_delay_ms: i32,
     pub fault: FaultInjection,
@@ -63,8 +66,7 @@ pub enum TickOutcome {
     DatabaseError(String),
 }
 
-const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms FROM outbox._claim_shards($1, $2, $3)";
-const SNAPSHOT: &str = "SELECT pg_catalog.pg_current_snapshot()::text";
+const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held FROM outbox._claim_shards($1, $2, $3)";
 const READ_SHARD: &str =
     "SELECT txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
                           created_at FROM outbox._read_shard($1, $2::pg_snapshot, $3::pg_snapshot, $4)";
@@ -251,32 +253,48 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
         Spi::connect_mut(|client| {
             let mut batch = Batch { installation, ..Batch::default() };
             let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
-            let claimed: Vec<(i16, String, i64)> = client
-                .update(CLAIM, None, &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()])?
-                .map(|row| {
-                    Ok((
-                        row.get::<i16>(1)?.unwrap_or_default(),
-                        row.get::<String>(2)?.unwrap_or_default(),
-                        row.get::<i64>(3)?.unwrap_or_default(),
-                    ))
-                })
-                .collect::<Result<_, pgrx::spi::Error>>()?;
+            let mut upto = String::new();
+            let mut held_any = false;
+            let mut claimed: Vec<(i16, String, i64)> = Vec::new();
+            for row in
+                client.update(CLAIM, None, &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()])?
+            {
+                claimed.push((
+                    row.get::<i16>(1)?.unwrap_or_default(),
+                    row.get::<String>(2)?.unwrap_or_default(),
+                    row.get::<i64>(3)?.unwrap_or_default(),
+                ));
+                // Taken after the claim: what the batch reads up to; the reads below see every
+                // transaction it shows as committed.
+                upto = row.get::<String>(4)?.unwrap_or_default();
+                held_any = row.get::<bool>(5)?.unwrap_or(true);
+            }
             if claimed.is_empty() {
                 return Ok(Some(batch));
             }
-            // Taken after the claim: this statement's snapshot is what the batch reads up to, and
-            // the reads below see every transaction it shows as committed.
-            let upto: String = client.update(SNAPSHOT, None, &[])?.first().get::<String>(1)?.unwrap_or_default();
+            // Outside a full read, only the shards that commits flagged since the last round.
+            let mine: u32 = claimed.iter().fold(0, |mask, (shard, ..)| mask | 1u32 << (*shard as u32 % 32));
+            let flagged = shmem::take_committed_shards(mine);
+            let full = settings.full_read;
+            let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
+            claimed.retain(|(shard, ..)| full || flagged & (1u32 << (*shard as u32 % 32)) != 0);
             let limit = settings.batch_size.min(i32::MAX as usize - 1) as i32;
             // Every shard at once, then each shard's part cut at a transaction boundary.
-            let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
+            let reading: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
             let cursors: Vec<String> = claimed.iter().map(|(_, cursor, _)| cursor.clone()).collect();
             let mut by_shard: HashMap<i16, Vec<LogEvent>> = HashMap::new();
-            for row in client.update(
-                READ_BATCH,
-                None,
-                &[shards.clone().into(), cursors.into(), upto.as_str().into(), (limit + 1).into()],
-            )? {
+            let rows = if reading.is_empty() {
+                Vec::new()
+            } else {
+                client
+                    .update(
+                        READ_BATCH,
+                        None,
+                        &[reading.into(), cursors.into(), upto.as_str().into(), (limit + 1).into()],
+                    )?
+                    .collect::<Vec<_>>()
+            };
+            for row in rows {
                 let shard = row.get::<i16>(1)?.unwrap_or_default();
                 by_shard.entry(shard).or_default().push(shifted_log_event(&row)?);
             }
@@ -300,14 +318,16 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
                     }
                     batch.more = true;
                 }
-                let advance = !events.is_empty() || Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE;
+                let advance = !events.is_empty() || (full && Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE);
                 batch.shards.push(ShardBatch { shard: *shard, next_cursor, advance });
                 log.extend(events.into_iter().map(|e| e.event));
             }
-            let held =
-                client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
-            for row in held {
-                batch.held_due.push(held_event(&row)?);
+            if held_any {
+                let held =
+                    client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
+                for row in held {
+                    batch.held_due.push(held_event(&row)?);
+                }
             }
             batch.more |= batch.held_due.len() >= settings.batch_size;
             // Each aggregate's events in id order, which is its commit order (src/order.rs).
@@ -322,7 +342,7 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
                     last_seq[position - 1] = row.get::<i64>(2)?.unwrap_or_default();
                 }
                 let mut waiting = HashSet::new();
-                if settings.in_order {
+                if settings.in_order && held_any {
                     for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
                         waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
                     }
