@@ -84,6 +84,10 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         // A relay never waits long on a row lock (a session holding its shard rows, an admin's
         // forget_aggregates): it backs off and tries again, answering SIGTERM in between.
         (c"lock_timeout", c"2s"),
+        // The relay's statements take arrays and snapshots as parameters; planned for each call's
+        // values (PL/pgSQL's custom plans) the batch read cost over a millisecond a round to plan,
+        // more than running it. Their generic plans are index walks whatever the values.
+        (c"plan_cache_mode", c"force_generic_plan"),
     ] {
         // SAFETY: static NUL-terminated strings; all are user-settable options.
         unsafe {
