@@ -228,7 +228,7 @@ impl RedisSink {
             }
             cmd.arg("*");
             for (field, value) in event.fields() {
-                cmd.arg(field).arg(value);
+                cmd.arg(field).arg(value.as_ref());
             }
         }
         let packed = pipe.get_packed_pipeline();

@@ -500,7 +500,7 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     let started = Instant::now();
     let read = read_round(settings);
     timings.claim = started.elapsed();
-    let batch = match read {
+    let mut batch = match read {
         Err(error) => return TickOutcome::DatabaseError(error),
         Ok(None) => return TickOutcome::ExtensionMissing,
         Ok(Some(batch)) => batch,
@@ -521,25 +521,40 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
 
     // The failure path's due events first (they are older), then the log's, except those whose
     // aggregate waits on the failure path.
+    // The events are moved, not copied, into the publish list (the relay's CPU per event is
+    // mostly allocation and copying: docs/performance.md).
     let mut settlement = Settlement::default();
-    let mut to_send: Vec<(Source, OutboxEvent)> = Vec::with_capacity(claimed);
-    to_send.extend(batch.held_due.iter().cloned().map(|e| (Source::Held, e)));
-    for event in &batch.events {
+    let mut sources: Vec<Source> = Vec::with_capacity(claimed);
+    let mut events: Vec<OutboxEvent> = Vec::with_capacity(claimed);
+    for event in std::mem::take(&mut batch.held_due) {
+        sources.push(Source::Held);
+        events.push(event);
+    }
+    for event in std::mem::take(&mut batch.events) {
         if batch.diverted.contains(&event.id) {
-            settlement.hold.push((event.event_id.clone(), event.aggregate_seq, None));
+            settlement.hold.push((event.event_id, event.aggregate_seq, None));
         } else {
-            to_send.push((Source::Log, event.clone()));
+            sources.push(Source::Log);
+            events.push(event);
         }
     }
     if settings.in_order {
-        for deferred in defer_stream_changes(&mut to_send, &settings.stream_template) {
-            if deferred.0 == Source::Log {
-                settlement.hold.push((deferred.1.event_id.clone(), deferred.1.aggregate_seq, None));
+        let deferred = deferred_by_stream_change(&events, &settings.stream_template);
+        if !deferred.is_empty() {
+            let mut kept_sources = Vec::with_capacity(sources.len());
+            let mut kept = Vec::with_capacity(events.len());
+            for (source, event) in sources.into_iter().zip(events) {
+                if !deferred.contains(&event.id) {
+                    kept_sources.push(source);
+                    kept.push(event);
+                } else if source == Source::Log {
+                    settlement.hold.push((event.event_id, event.aggregate_seq, None));
+                }
             }
+            (sources, events) = (kept_sources, kept);
         }
     }
 
-    let events: Vec<OutboxEvent> = to_send.iter().map(|(_, e)| e.clone()).collect();
     let started = Instant::now();
     let sent = sink.publish(&events, &settings.stream_template, settings.stream_maxlen);
     timings.publish = started.elapsed();
@@ -551,7 +566,7 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     let mut rejected = 0;
     let mut last_rejection = None;
     let mut broken: HashSet<(String, String)> = HashSet::new();
-    for ((source, event), outcome) in to_send.iter().zip(&outcomes) {
+    for ((source, event), outcome) in sources.iter().zip(&events).zip(&outcomes) {
         if let EntryOutcome::BrokerRefused(error) = outcome {
             // Redis as a whole refused part of the batch: finish nothing, read it all again later.
             return TickOutcome::BrokerDown { error: BrokerError(error.clone()), published };
@@ -610,39 +625,23 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
 /// rejects an entry because of its stream key (e.g. WRONGTYPE), so events to the same key share
 /// their fate: if the first is rejected, so are the later ones, and order holds. An event bound for
 /// a *different* key than its aggregate's earlier events in the round could succeed where they
-/// fail, so it and the rest of its aggregate's events are taken out of the round and returned.
-fn defer_stream_changes(to_send: &mut Vec<(Source, OutboxEvent)>, stream_template: &str) -> Vec<(Source, OutboxEvent)> {
-    let events: Vec<OutboxEvent> = to_send.iter().map(|(_, e)| e.clone()).collect();
-    let (_, deferred) = split_runs(events, stream_template);
-    if deferred.is_empty() {
-        return Vec::new();
-    }
-    let deferred: HashSet<i64> = deferred.into_iter().collect();
-    let (kept, taken): (Vec<_>, Vec<_>) = to_send.drain(..).partition(|(_, e)| !deferred.contains(&e.id));
-    *to_send = kept;
-    taken
-}
-
-/// Splits `events` (in per-aggregate order) into those that go now and the ids of those deferred:
-/// once an aggregate's stream key changes within the round, that event and every later one of the
-/// aggregate wait.
-pub fn split_runs(events: Vec<OutboxEvent>, stream_template: &str) -> (Vec<OutboxEvent>, Vec<i64>) {
-    let mut run_key: HashMap<(String, String), Option<String>> = HashMap::new();
-    let mut sent = Vec::with_capacity(events.len());
-    let mut deferred = Vec::new();
+/// fail, so it and every later event of its aggregate wait: their ids are returned. `events` are in
+/// per-aggregate order.
+pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) -> HashSet<i64> {
+    let mut run_key: HashMap<(&str, &str), Option<String>> = HashMap::new();
+    let mut deferred = HashSet::new();
     for event in events {
         let key = event.stream_key(stream_template);
-        let slot =
-            run_key.entry((event.aggregate_type.clone(), event.aggregate_id.clone())).or_insert(Some(key.clone()));
-        if slot.as_deref() == Some(key.as_str()) {
-            sent.push(event);
-        } else {
+        let slot = run_key
+            .entry((event.aggregate_type.as_str(), event.aggregate_id.as_str()))
+            .or_insert_with(|| Some(key.clone()));
+        if slot.as_deref() != Some(key.as_str()) {
             // Once a run is cut, every later event of the aggregate waits too.
             *slot = None;
-            deferred.push(event.id);
+            deferred.insert(event.id);
         }
     }
-    (sent, deferred)
+    deferred
 }
 
 /// `outbox.fault_injection = crash_after_publish`: exit between a successful XADD and the finish, as
@@ -660,7 +659,7 @@ fn crash_after_publish(published: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{distinct_aggregates, snapshot_xmax, split_runs};
+    use super::{deferred_by_stream_change, distinct_aggregates, snapshot_xmax};
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -688,8 +687,9 @@ mod tests {
             event(5, "a", None),
             event(6, "b", Some("other")),
         ];
-        let (sent, deferred) = split_runs(events, "outbox:{aggregate_type}");
-        assert_eq!(sent.iter().map(|e| e.id).collect::<Vec<_>>(), [1, 2, 3, 6]);
+        let deferred = deferred_by_stream_change(&events, "outbox:{aggregate_type}");
+        let mut deferred: Vec<i64> = deferred.into_iter().collect();
+        deferred.sort_unstable();
         // Event 5 goes to the run's key again, but after a cut its aggregate waits.
         assert_eq!(deferred, [4, 5]);
     }
