@@ -429,7 +429,7 @@ fn human(duration: Duration) -> String {
 
 /// Whether the relay was asked to stop (SIGTERM: `pg_terminate_backend`, shutdown, the launcher).
 /// pgrx's flag is cleared when read; this one stays set once seen, so that every place that asks
-/// (the claim lock's wait, the main loop) gets the same answer.
+/// gets the same answer.
 fn stop_requested() -> bool {
     static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     if BackgroundWorker::sigterm_received() {
@@ -438,8 +438,8 @@ fn stop_requested() -> bool {
     STOPPING.load(std::sync::atomic::Ordering::SeqCst)
 }
 
-/// A claim must outlive a round: while a relay waits on Redis, its claim has to stay valid, or
-/// other relays take the same events and publish them a second time. A round can wait on Redis
+/// A lease must outlive a round: while a relay waits on Redis, its shards' lease has to stay valid,
+/// or other relays take them over and publish the same events a second time. A round can wait on Redis
 /// for up to `outbox.redis_timeout` (the connect, then the exchange), so a lease shorter than
 /// twice that is a configuration that produces duplicates under a slow Redis. Logged at start and
 /// after each reload, by relay 0 only.
