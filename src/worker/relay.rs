@@ -247,7 +247,7 @@ impl Relay {
         if timings.total() >= settings.lease && !matches!(outcome, TickOutcome::Idle) {
             warning!(
                 "outbox_pg: relay {} took {} for one round, longer than outbox.lease ({}): its shards' lease expired meanwhile and \
-                 other relays may have published the same events again; raise outbox.lease or lower outbox.batch_size",
+                 other relays may have published the same events again; raise outbox.lease",
                 self.slot,
                 millis(timings.total()),
                 human(settings.lease)

@@ -67,13 +67,9 @@ pub enum TickOutcome {
 }
 
 const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held FROM outbox._claim_shards($1, $2, $3)";
-const READ_SHARD: &str =
-    "SELECT txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
-                          created_at FROM outbox._read_shard($1, $2::pg_snapshot, $3::pg_snapshot, $4)";
 const READ_BATCH: &str =
     "SELECT shard, txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
                           stream, created_at FROM outbox._read_batch($1, $2, $3::pg_snapshot, $4)";
-const CURSOR_BELOW: &str = "SELECT outbox._cursor_below($1::pg_snapshot, $2)";
 const HELD_DUE: &str =
     "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
                         stream, created_at FROM outbox._held_due($1, $2, $3)";
@@ -127,13 +123,6 @@ fn installation() -> pg_sys::Oid {
     unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) }
 }
 
-/// An event read from the log, and the transaction that wrote it.
-#[derive(Debug, Clone)]
-struct LogEvent {
-    txid: i64,
-    event: OutboxEvent,
-}
-
 /// One shard's part of a round.
 #[derive(Debug, Clone)]
 struct ShardBatch {
@@ -158,52 +147,24 @@ struct Batch {
     diverted: HashSet<i64>,
     /// From the failure path, due now (aggregate_seq stored with them).
     held_due: Vec<OutboxEvent>,
-    /// A shard's batch was cut (or the failure path has more due): go again at once.
+    /// The failure path has more due than a round takes: go again at once.
     more: bool,
 }
 
-/// `xmax` of a `pg_snapshot` in its text form `xmin:xmax:xip,...`.
-fn snapshot_xmax(snapshot: &str) -> Option<i64> {
-    snapshot.split(':').nth(1)?.parse().ok()
-}
-
-/// An event of the log: (txid, id, event_id, aggregate_type, aggregate_id, event_type, payload,
-/// headers, stream, created_at), as outbox._read_shard returns it. Its aggregate_seq is assigned
-/// later (read_round).
-fn log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<LogEvent, pgrx::spi::Error> {
-    Ok(LogEvent {
-        txid: row.get::<i64>(1)?.unwrap_or_default(),
-        event: OutboxEvent {
-            id: row.get::<i64>(2)?.unwrap_or_default(),
-            event_id: row.get::<String>(3)?.unwrap_or_default(),
-            aggregate_type: row.get::<String>(4)?.unwrap_or_default(),
-            aggregate_id: row.get::<String>(5)?.unwrap_or_default(),
-            aggregate_seq: 0,
-            event_type: row.get::<String>(6)?.unwrap_or_default(),
-            payload: row.get::<String>(7)?.unwrap_or_default(),
-            headers: row.get::<String>(8)?,
-            stream: row.get::<String>(9)?,
-            created_at: row.get::<String>(10)?.unwrap_or_default(),
-        },
-    })
-}
-
-/// A row of outbox._read_batch: the shard, then a log event's columns.
-fn shifted_log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<LogEvent, pgrx::spi::Error> {
-    Ok(LogEvent {
-        txid: row.get::<i64>(2)?.unwrap_or_default(),
-        event: OutboxEvent {
-            id: row.get::<i64>(3)?.unwrap_or_default(),
-            event_id: row.get::<String>(4)?.unwrap_or_default(),
-            aggregate_type: row.get::<String>(5)?.unwrap_or_default(),
-            aggregate_id: row.get::<String>(6)?.unwrap_or_default(),
-            aggregate_seq: 0,
-            event_type: row.get::<String>(7)?.unwrap_or_default(),
-            payload: row.get::<String>(8)?.unwrap_or_default(),
-            headers: row.get::<String>(9)?,
-            stream: row.get::<String>(10)?,
-            created_at: row.get::<String>(11)?.unwrap_or_default(),
-        },
+/// A row of outbox._read_batch: (shard, txid, then the event's columns). Its aggregate_seq is
+/// assigned later (read_round).
+fn log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
+    Ok(OutboxEvent {
+        id: row.get::<i64>(3)?.unwrap_or_default(),
+        event_id: row.get::<String>(4)?.unwrap_or_default(),
+        aggregate_type: row.get::<String>(5)?.unwrap_or_default(),
+        aggregate_id: row.get::<String>(6)?.unwrap_or_default(),
+        aggregate_seq: 0,
+        event_type: row.get::<String>(7)?.unwrap_or_default(),
+        payload: row.get::<String>(8)?.unwrap_or_default(),
+        headers: row.get::<String>(9)?,
+        stream: row.get::<String>(10)?,
+        created_at: row.get::<String>(11)?.unwrap_or_default(),
     })
 }
 
@@ -224,23 +185,9 @@ fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::sp
     })
 }
 
-fn read_log(
-    client: &mut pgrx::spi::SpiClient<'_>,
-    shard: i16,
-    cursor: &str,
-    upto: &str,
-    max_events: i32,
-) -> Result<Vec<LogEvent>, pgrx::spi::Error> {
-    let rows = client.update(READ_SHARD, None, &[shard.into(), cursor.into(), upto.into(), max_events.into()])?;
-    let mut events = Vec::with_capacity(rows.len());
-    for row in rows {
-        events.push(log_event(&row)?);
-    }
-    Ok(events)
-}
-
-/// Claims this relay's shards and reads a round: each shard's batch (cut at a transaction
-/// boundary after `batch_size` events), the failure path's due events, and what the batch's
+/// Claims this relay's shards and reads a round: each shard's whole window (every event committed
+/// between its cursor and the claim's snapshot; see "Why a window is read whole" in
+/// docs/worker.md), the failure path's due events, and what the batch's
 /// aggregates need (counters, whether they have events waiting on the failure path). Writes only
 /// when shards change hands. `Ok(None)` when the extension is not installed.
 fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
@@ -278,49 +225,29 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
             let full = settings.full_read;
             let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
             claimed.retain(|(shard, ..)| full || flagged & (1u32 << (*shard as u32 % 32)) != 0);
-            let limit = settings.batch_size.min(i32::MAX as usize - 1) as i32;
-            // Every shard at once, then each shard's part cut at a transaction boundary.
+            let limit = settings.batch_size.min(i32::MAX as usize) as i32;
+            // Every shard's window at once, whole: a cut inside a window would break commit order.
             let reading: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
             let cursors: Vec<String> = claimed.iter().map(|(_, cursor, _)| cursor.clone()).collect();
-            let mut by_shard: HashMap<i16, Vec<LogEvent>> = HashMap::new();
+            let mut by_shard: HashMap<i16, Vec<OutboxEvent>> = HashMap::new();
             let rows = if reading.is_empty() {
                 Vec::new()
             } else {
                 client
-                    .update(
-                        READ_BATCH,
-                        None,
-                        &[reading.into(), cursors.into(), upto.as_str().into(), (limit + 1).into()],
-                    )?
+                    .update(READ_BATCH, None, &[reading.into(), cursors.into(), upto.as_str().into(), i32::MAX.into()])?
                     .collect::<Vec<_>>()
             };
             for row in rows {
                 let shard = row.get::<i16>(1)?.unwrap_or_default();
-                by_shard.entry(shard).or_default().push(shifted_log_event(&row)?);
+                by_shard.entry(shard).or_default().push(log_event(&row)?);
             }
             let mut log = Vec::new();
-            for (shard, cursor, age_ms) in &claimed {
-                let mut events = by_shard.remove(shard).unwrap_or_default();
-                let cursor_xmax = snapshot_xmax(cursor).unwrap_or(0);
-                let ranged = events.iter().filter(|e| e.txid >= cursor_xmax).count();
-                let mut next_cursor = upto.clone();
-                if ranged > settings.batch_size {
-                    // Cut at a transaction boundary: the first transaction beyond the limit, and
-                    // all of its events, wait for the next round.
-                    let bound = events.iter().map(|e| e.txid).max().unwrap_or_default();
-                    events.retain(|e| e.txid < bound);
-                    if events.iter().all(|e| e.txid < cursor_xmax) {
-                        // One transaction larger than the batch: take it whole.
-                        next_cursor = cursor_below(client, &upto, bound + 1)?;
-                        events = read_log(client, *shard, cursor, &next_cursor, i32::MAX)?;
-                    } else {
-                        next_cursor = cursor_below(client, &upto, bound)?;
-                    }
-                    batch.more = true;
-                }
+            for (shard, _, age_ms) in &claimed {
+                let events = by_shard.remove(shard).unwrap_or_default();
+                let next_cursor = upto.clone();
                 let advance = !events.is_empty() || (full && Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE);
                 batch.shards.push(ShardBatch { shard: *shard, next_cursor, advance });
-                log.extend(events.into_iter().map(|e| e.event));
+                log.extend(events);
             }
             if held_any {
                 let held =
@@ -363,10 +290,6 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
             Ok(Some(batch))
         })
     })
-}
-
-fn cursor_below(client: &mut pgrx::spi::SpiClient<'_>, upto: &str, bound: i64) -> Result<String, pgrx::spi::Error> {
-    Ok(client.update(CURSOR_BELOW, None, &[upto.into(), bound.into()])?.first().get::<String>(1)?.unwrap_or_default())
 }
 
 /// The distinct aggregates of `events`, in order of first appearance.
@@ -555,52 +478,82 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
         }
     }
 
-    let started = Instant::now();
-    let sent = sink.publish(&events, &settings.stream_template, settings.stream_maxlen);
-    timings.publish = started.elapsed();
-    let outcomes = match sent {
-        Ok(outcomes) => outcomes,
-        Err(error) => return TickOutcome::BrokerDown { error, published: 0 },
-    };
+    // Published in chunks of outbox.batch_size entries (one MULTI/EXEC pipeline each), finished
+    // once. An aggregate that failed in one chunk sends nothing more this round: its later events
+    // wait on the failure path behind the failed one, so Redis never sees them out of order.
     let mut published = 0;
     let mut rejected = 0;
     let mut last_rejection = None;
     let mut broken: HashSet<(String, String)> = HashSet::new();
-    for ((source, event), outcome) in sources.iter().zip(&events).zip(&outcomes) {
-        if let EntryOutcome::BrokerRefused(error) = outcome {
-            // Redis as a whole refused part of the batch: finish nothing, read it all again later.
-            return TickOutcome::BrokerDown { error: BrokerError(error.clone()), published };
+    let chunk_size = settings.batch_size.max(1);
+    let mut pending = sources.into_iter().zip(events);
+    let started = Instant::now();
+    loop {
+        let mut chunk_sources: Vec<Source> = Vec::with_capacity(chunk_size);
+        let mut chunk: Vec<OutboxEvent> = Vec::with_capacity(chunk_size);
+        for (source, event) in pending.by_ref() {
+            if settings.in_order
+                && source == Source::Log
+                && !broken.is_empty()
+                && broken.contains(&(event.aggregate_type.clone(), event.aggregate_id.clone()))
+            {
+                settlement.hold.push((event.event_id, event.aggregate_seq, None));
+                continue;
+            }
+            chunk_sources.push(source);
+            chunk.push(event);
+            if chunk.len() == chunk_size {
+                break;
+            }
         }
-        let aggregate = (event.aggregate_type.clone(), event.aggregate_id.clone());
-        match (source, outcome) {
-            (Source::Held, EntryOutcome::Published) => {
-                published += 1;
-                settlement.held_published.push(event.id);
+        if chunk.is_empty() {
+            break;
+        }
+        let outcomes = match sink.publish(&chunk, &settings.stream_template, settings.stream_maxlen) {
+            Ok(outcomes) => outcomes,
+            Err(error) => {
+                timings.publish = started.elapsed();
+                return TickOutcome::BrokerDown { error, published };
             }
-            (Source::Held, EntryOutcome::Rejected(error)) => {
-                rejected += 1;
-                last_rejection = Some(error.clone());
-                settlement.held_rejected.push((event.id, error.clone()));
+        };
+        for ((source, event), outcome) in chunk_sources.iter().zip(&chunk).zip(&outcomes) {
+            if let EntryOutcome::BrokerRefused(error) = outcome {
+                // Redis as a whole refused part of the batch: finish nothing, read it all again later.
+                timings.publish = started.elapsed();
+                return TickOutcome::BrokerDown { error: BrokerError(error.clone()), published };
             }
-            (Source::Held, _) => {}
-            (Source::Log, EntryOutcome::Published) if !(settings.in_order && broken.contains(&aggregate)) => {
-                published += 1;
-            }
-            (Source::Log, EntryOutcome::Rejected(error)) => {
-                rejected += 1;
-                last_rejection = Some(error.clone());
-                settlement.hold.push((event.event_id.clone(), event.aggregate_seq, Some(error.clone())));
-                broken.insert(aggregate);
-            }
-            // Not sent, or (in order) published after an earlier event of its aggregate failed in
-            // this same batch, which cannot happen with one stream key per run but is handled
-            // anyway: it waits on the failure path, behind the rejected one.
-            (Source::Log, _) => {
-                settlement.hold.push((event.event_id.clone(), event.aggregate_seq, None));
-                broken.insert(aggregate);
+            let aggregate = || (event.aggregate_type.clone(), event.aggregate_id.clone());
+            match (source, outcome) {
+                (Source::Held, EntryOutcome::Published) => {
+                    published += 1;
+                    settlement.held_published.push(event.id);
+                }
+                (Source::Held, EntryOutcome::Rejected(error)) => {
+                    rejected += 1;
+                    last_rejection = Some(error.clone());
+                    settlement.held_rejected.push((event.id, error.clone()));
+                }
+                (Source::Held, _) => {}
+                (Source::Log, EntryOutcome::Published) if !(settings.in_order && broken.contains(&aggregate())) => {
+                    published += 1;
+                }
+                (Source::Log, EntryOutcome::Rejected(error)) => {
+                    rejected += 1;
+                    last_rejection = Some(error.clone());
+                    settlement.hold.push((event.event_id.clone(), event.aggregate_seq, Some(error.clone())));
+                    broken.insert(aggregate());
+                }
+                // Not sent, or (in order) published after an earlier event of its aggregate failed
+                // in this same chunk (an oversize entry is rejected alone): it waits on the
+                // failure path, behind the failed one.
+                (Source::Log, _) => {
+                    settlement.hold.push((event.event_id.clone(), event.aggregate_seq, None));
+                    broken.insert(aggregate());
+                }
             }
         }
     }
+    timings.publish = started.elapsed();
 
     if settings.fault == FaultInjection::CrashAfterPublish && published > 0 {
         crash_after_publish(published);
@@ -659,7 +612,7 @@ fn crash_after_publish(published: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{deferred_by_stream_change, distinct_aggregates, snapshot_xmax};
+    use super::{deferred_by_stream_change, distinct_aggregates};
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -698,12 +651,5 @@ mod tests {
     fn aggregates_are_listed_once_in_order_of_appearance() {
         let events = vec![event(1, "b", None), event(2, "a", None), event(3, "b", None)];
         assert_eq!(distinct_aggregates(&events), [("acct".to_string(), "b".to_string()), ("acct".into(), "a".into())]);
-    }
-
-    #[test]
-    fn a_snapshots_xmax_is_read_from_its_text() {
-        assert_eq!(snapshot_xmax("740:745:740,743"), Some(745));
-        assert_eq!(snapshot_xmax("12:12:"), Some(12));
-        assert_eq!(snapshot_xmax("garbage"), None);
     }
 }
