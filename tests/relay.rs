@@ -346,6 +346,39 @@ fn disabled_relay_keeps_events_pending_until_enabled() {
     wait_all_published(&mut client, 11);
 }
 
+/// Transaction ids are drawn when a transaction first writes, commits happen later: an aggregate's
+/// event from the lower txid can commit after one from a higher txid. A relay that cut a window at a
+/// txid boundary published them out of order (found by the Redis-flapping fault test); the window
+/// holds both here, with batch_size 1, so any cut would split it.
+#[test]
+fn an_older_transaction_that_commits_later_is_published_after() {
+    let env = Env::start(&["outbox.enabled = off", "outbox.batch_size = 1"]);
+    let mut older = env.pg.connect();
+    let mut newer = env.pg.connect();
+    older.batch_execute("BEGIN; SELECT pg_current_xact_id();").unwrap();
+    newer.batch_execute("BEGIN").unwrap();
+    enqueue(&mut newer, "order", "o-1", "{\"step\": 1}");
+    newer.batch_execute("COMMIT").unwrap();
+    enqueue(&mut older, "order", "o-1", "{\"step\": 2}");
+    older.batch_execute("COMMIT").unwrap();
+    let (older_txid, newer_txid): (i64, i64) = {
+        let row = older
+            .query_one(
+                "SELECT min(txid::text::bigint) FILTER (WHERE payload->>'step' = '2'), min(txid::text::bigint) FILTER (WHERE payload->>'step' = '1')
+                   FROM outbox.events",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert!(older_txid < newer_txid, "the scenario needs the later commit to have the lower txid");
+    env.pg.set(&mut older, &[("outbox.enabled", "on")]);
+    let entries = env.redis.wait_for_entries("outbox:order", 2);
+    let steps: Vec<(&str, &str)> =
+        entries.iter().map(|e| (e["payload"].as_str(), e["aggregate_seq"].as_str())).collect();
+    assert_eq!(steps, [("{\"step\": 1}", "1"), ("{\"step\": 2}", "2")]);
+}
+
 #[test]
 fn stream_template_explicit_streams_and_trimming() {
     let env = Env::start(&["outbox.stream = 'app:{aggregate_type}:{event_type}'", "outbox.stream_maxlen = 10"]);
