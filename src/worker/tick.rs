@@ -485,26 +485,19 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     let mut rejected = 0;
     let mut last_rejection = None;
     let mut broken: HashSet<(String, String)> = HashSet::new();
-    let chunk_size = settings.batch_size.max(1);
-    let mut pending = sources.into_iter().zip(events);
+    let limits = PipelineLimits { entries: settings.batch_size.max(1), bytes: PIPELINE_BYTES };
+    let mut pending = sources.into_iter().zip(events).peekable();
     let started = Instant::now();
     loop {
-        let mut chunk_sources: Vec<Source> = Vec::with_capacity(chunk_size);
-        let mut chunk: Vec<OutboxEvent> = Vec::with_capacity(chunk_size);
-        for (source, event) in pending.by_ref() {
-            if settings.in_order
-                && source == Source::Log
+        let waits = |source: &Source, event: &OutboxEvent| {
+            settings.in_order
+                && *source == Source::Log
                 && !broken.is_empty()
                 && broken.contains(&(event.aggregate_type.clone(), event.aggregate_id.clone()))
-            {
-                settlement.hold.push((event.event_id, event.aggregate_seq, None));
-                continue;
-            }
-            chunk_sources.push(source);
-            chunk.push(event);
-            if chunk.len() == chunk_size {
-                break;
-            }
+        };
+        let (chunk_sources, chunk, waiting) = next_pipeline(&mut pending, limits, waits);
+        for event in waiting {
+            settlement.hold.push((event.event_id, event.aggregate_seq, None));
         }
         if chunk.is_empty() {
             break;
@@ -574,6 +567,51 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection, more: batch.more }
 }
 
+/// The most bytes of events one pipeline sends. Redis closes the connection of a client whose
+/// unread input passes `client-query-buffer-limit` (1 GB by default); a pipeline above it would fail
+/// as a whole, round after round, and stall the outbox. 64 MB keeps well below it and still
+/// carries thousands of ordinary events.
+const PIPELINE_BYTES: usize = 64 * 1024 * 1024;
+
+/// How much one MULTI/EXEC pipeline carries.
+#[derive(Debug, Clone, Copy)]
+struct PipelineLimits {
+    entries: usize,
+    bytes: usize,
+}
+
+/// Takes the next pipeline from `pending` (in order): up to `limits.entries` events and
+/// `limits.bytes` bytes (at least one event, so one larger than the budget still goes, alone).
+/// Events for which `waits` holds are taken out without being sent and returned last. Returns the
+/// pipeline's sources, its events, and the waiting events.
+fn next_pipeline(
+    pending: &mut std::iter::Peekable<impl Iterator<Item = (Source, OutboxEvent)>>,
+    limits: PipelineLimits,
+    waits: impl Fn(&Source, &OutboxEvent) -> bool,
+) -> (Vec<Source>, Vec<OutboxEvent>, Vec<OutboxEvent>) {
+    let mut sources = Vec::with_capacity(limits.entries.min(1024));
+    let mut events: Vec<OutboxEvent> = Vec::with_capacity(limits.entries.min(1024));
+    let mut waiting = Vec::new();
+    let mut bytes = 0usize;
+    while events.len() < limits.entries {
+        let Some((source, event)) = pending.peek() else { break };
+        let held_back = waits(source, event);
+        let size = event.approximate_size();
+        if !held_back && !events.is_empty() && bytes.saturating_add(size) > limits.bytes {
+            break;
+        }
+        let Some((source, event)) = pending.next() else { break };
+        if held_back {
+            waiting.push(event);
+            continue;
+        }
+        bytes = bytes.saturating_add(size);
+        sources.push(source);
+        events.push(event);
+    }
+    (sources, events, waiting)
+}
+
 /// In per-aggregate order, a round may carry several consecutive events of one aggregate. Redis
 /// rejects an entry because of its stream key (e.g. WRONGTYPE), so events to the same key share
 /// their fate: if the first is rejected, so are the later ones, and order holds. An event bound for
@@ -612,7 +650,7 @@ fn crash_after_publish(published: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{deferred_by_stream_change, distinct_aggregates};
+    use super::{deferred_by_stream_change, distinct_aggregates, next_pipeline, PipelineLimits, Source};
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -651,5 +689,28 @@ mod tests {
     fn aggregates_are_listed_once_in_order_of_appearance() {
         let events = vec![event(1, "b", None), event(2, "a", None), event(3, "b", None)];
         assert_eq!(distinct_aggregates(&events), [("acct".to_string(), "b".to_string()), ("acct".into(), "a".into())]);
+    }
+
+    #[test]
+    fn a_pipeline_stops_at_its_entry_and_byte_limits_and_sets_waiting_events_aside() {
+        let mut big = event(2, "b", None);
+        big.payload = "x".repeat(5000);
+        let events = vec![event(1, "a", None), big, event(3, "c", None), event(4, "a", None), event(5, "d", None)];
+        let mut pending = events.into_iter().map(|e| (Source::Log, e)).peekable();
+        let ids = |events: &[OutboxEvent]| events.iter().map(|e| e.id).collect::<Vec<_>>();
+        // 4000 bytes: the big event does not fit behind the first one.
+        let limits = PipelineLimits { entries: 10, bytes: 4000 };
+        let (_, first, waiting) = next_pipeline(&mut pending, limits, |_, _| false);
+        assert_eq!((ids(&first), ids(&waiting)), (vec![1], vec![]));
+        // Alone, it goes anyway.
+        let (_, second, _) = next_pipeline(&mut pending, limits, |_, _| false);
+        assert_eq!(ids(&second), [2]);
+        // Events of a waiting aggregate are set aside; the entry limit counts sent events only.
+        let limits = PipelineLimits { entries: 1, bytes: 4000 };
+        let (_, third, waiting) = next_pipeline(&mut pending, limits, |_, e| e.aggregate_id == "c");
+        assert_eq!((ids(&third), ids(&waiting)), (vec![4], vec![3]));
+        let (_, fourth, _) = next_pipeline(&mut pending, limits, |_, _| false);
+        assert_eq!(ids(&fourth), [5]);
+        assert!(next_pipeline(&mut pending, limits, |_, _| false).1.is_empty());
     }
 }
