@@ -61,67 +61,13 @@ BEGIN
 END
 $fn$;
 
--- One shard's batch: the events of the transactions visible in upto and not in its cursor, oldest
--- transaction first. Transactions that were running when the cursor was taken are found through
--- the cursor's in-progress list, the others through the range from the cursor's xmax, so a long
--- transaction never makes a batch rescan what was consumed after it began. The range part stops
--- after max_events rows (the caller cuts the batch at a transaction boundary, see src/worker/tick.rs).
-CREATE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
-RETURNS TABLE (
-    txid           bigint,
-    id             bigint,
-    event_id       text,
-    aggregate_type text,
-    aggregate_id   text,
-    event_type     text,
-    payload        text,
-    headers        text,
-    stream         text,
-    created_at     text
-)
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET jit = off
--- Index scans of (shard, txid) merged in txid order, whatever the statistics say: never a sort of
--- the whole window, never a sequential scan of the log.
-SET enable_seqscan = off
-SET enable_sort = off
-SET enable_bitmapscan = off
-AS $fn$
-#variable_conflict use_column
-DECLARE
-    running xid8[] := ARRAY(SELECT pg_catalog.pg_snapshot_xip(cursor));
-BEGIN
-    IF cardinality(running) > 0 THEN
-        RETURN QUERY
-            SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type,
-                   e.payload::text, e.headers::text, e.stream,
-                   to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-              FROM outbox.events e
-             WHERE e.shard = the_shard
-               AND e.txid = ANY (running)
-               AND pg_catalog.pg_visible_in_snapshot(e.txid, upto);
-    END IF;
-    RETURN QUERY
-        SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type,
-               e.payload::text, e.headers::text, e.stream,
-               to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-          FROM outbox.events e
-         WHERE e.shard = the_shard
-           AND e.txid >= pg_catalog.pg_snapshot_xmax(cursor)
-           AND e.txid < pg_catalog.pg_snapshot_xmax(upto)
-           AND pg_catalog.pg_visible_in_snapshot(e.txid, upto)
-         ORDER BY e.txid
-         LIMIT max_events;
-END
-$fn$;
-
-COMMENT ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) IS
-    'Relay internal: the events of one shard that became visible between its cursor and upto, oldest transaction first';
-
--- The same for several shards in one statement (a round reads every shard its relay holds, and one
--- statement per shard would cost a round trip through the executor each): per shard, its running
--- transactions' events, then up to max_events from its range, in txid order.
+-- A round's batch, for every shard the relay holds in one statement (one statement per shard would
+-- cost a round trip through the executor each): per shard, the events of the transactions visible
+-- in upto and not in its cursor. Transactions that were running when the cursor was taken are found
+-- through the cursor's in-progress list, the others through the range from the cursor's xmax, so a
+-- long transaction never makes a batch rescan what was consumed after it began. The range part stops
+-- after max_events rows, in txid order (the relay passes no limit: a window is read whole, see
+-- "Why a window is read whole" in docs/worker.md).
 CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], upto pg_snapshot, max_events integer)
 RETURNS TABLE (
     shard          smallint,
@@ -139,6 +85,8 @@ RETURNS TABLE (
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
+-- Index scans of (shard, txid) in txid order, whatever the statistics say: never a sort of the
+-- whole window, never a sequential scan of the log.
 SET enable_seqscan = off
 SET enable_sort = off
 SET enable_bitmapscan = off
@@ -171,8 +119,34 @@ BEGIN
 END
 $fn$;
 
--- The cursor that consumes, of snapshot upto, only the transactions below bound: what a batch cut
--- at a transaction boundary consumes. Every transaction below bound is visible in it exactly when
+-- One shard's batch, as outbox._read_batch reads it (the rule exists once): for tests and
+-- diagnosis.
+CREATE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
+RETURNS TABLE (
+    txid           bigint,
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers,
+           b.stream, b.created_at
+      FROM outbox._read_batch(ARRAY[the_shard], ARRAY[cursor::text], upto, max_events) b
+$fn$;
+
+COMMENT ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) IS
+    'Relay internal: the events of one shard that became visible between its cursor and upto, oldest transaction first';
+
+-- The cursor that consumes, of snapshot upto, only the transactions below bound (the tests use it
+-- to read up to a chosen transaction). Every transaction below bound is visible in it exactly when
 -- it is visible in upto; none from bound on is.
 CREATE FUNCTION outbox._cursor_below(upto pg_snapshot, bound bigint)
 RETURNS text

@@ -527,7 +527,9 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
                     settlement.held_rejected.push((event.id, error.clone()));
                 }
                 (Source::Held, _) => {}
-                (Source::Log, EntryOutcome::Published) if !(settings.in_order && broken.contains(&aggregate())) => {
+                (Source::Log, EntryOutcome::Published)
+                    if !(settings.in_order && !broken.is_empty() && broken.contains(&aggregate())) =>
+                {
                     published += 1;
                 }
                 (Source::Log, EntryOutcome::Rejected(error)) => {
