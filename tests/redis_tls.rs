@@ -148,6 +148,12 @@ fn tls_is_verified_against_the_configured_ca_and_presents_the_client_certificate
         let before: Option<std::time::SystemTime> =
             client.query_one("SELECT last_error_at FROM outbox.stats", &[]).unwrap().get(0);
         pg.set(&mut client, settings);
+        // The reload reaches the relay asynchronously, and until it reads it the relay could still
+        // publish over its old connection. Changed Redis settings drop that connection at once.
+        wait_for(DEADLINE, "the relay to read the reload and drop its Redis connection", || {
+            let clients: String = redis.query(redis::cmd("CLIENT").arg("LIST"));
+            (!clients.lines().any(|line| !line.contains("cmd=client"))).then_some(())
+        });
         client
             .batch_execute(&format!(
                 "SELECT outbox_enqueue('tls', 100 + i, 'e', '{{}}') FROM generate_series(1, {events}) i"
