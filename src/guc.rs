@@ -36,8 +36,8 @@ static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::ne
 /// across them (ordered claims); each commit wakes them all.
 static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 
-/// `outbox.batch_size` (default 100, reload): entries pipelined to Redis per round trip (a round
-/// reads each shard's window whole and publishes it in pipelines of this size).
+/// `outbox.batch_size` (default 100, reload): due events a round takes from the failure path (the
+/// log is read a whole window at a time: docs/worker.md).
 static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 
 /// `outbox.poll_interval` (default 1s, reload): safety-net poll; commits wake the relay at once.
@@ -217,7 +217,7 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.batch_size",
-        c"Events pipelined to Redis per round trip.",
+        c"Due events a round takes from the failure path.",
         c"",
         &BATCH_SIZE,
         1,

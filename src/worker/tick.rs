@@ -478,14 +478,16 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
         }
     }
 
-    // Published in chunks of outbox.batch_size entries (one MULTI/EXEC pipeline each), finished
-    // once. An aggregate that failed in one chunk sends nothing more this round: its later events
-    // wait on the failure path behind the failed one, so Redis never sees them out of order.
+    // Published as one MULTI/EXEC (split only above 64 MB), finished once. An aggregate that failed
+    // in one pipeline sends nothing more this round: its later events wait on the failure path
+    // behind the failed one, so Redis never sees them out of order.
     let mut published = 0;
     let mut rejected = 0;
     let mut last_rejection = None;
     let mut broken: HashSet<(String, String)> = HashSet::new();
-    let limits = PipelineLimits { entries: settings.batch_size.max(1), bytes: PIPELINE_BYTES };
+    // One MULTI/EXEC per round (up to 64 MB): Redis applies it whole or not at all, so a refusal
+    // such as OOM leaves nothing half-published to be sent twice.
+    let limits = PipelineLimits { entries: usize::MAX, bytes: PIPELINE_BYTES };
     let mut pending = sources.into_iter().zip(events).peekable();
     let started = Instant::now();
     loop {
