@@ -41,6 +41,8 @@ extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
 // privileges of the Rust helpers need those helpers created.
 extension_sql_file!("sql/api.sql", name = "api", requires = ["schema"]);
 extension_sql_file!("sql/relay.sql", name = "relay", requires = ["schema"]);
+// After the shards and generations rows exist: its triggers catch a restore's dumped rows.
+extension_sql_file!("sql/restore.sql", name = "restore", requires = ["schema"]);
 extension_sql_file!("sql/operations.sql", name = "operations", finalize);
 
 /// Whether the library was loaded through `shared_preload_libraries` (inherited by every backend).

@@ -248,16 +248,15 @@ CREATE TABLE outbox.consumers (
 COMMENT ON TABLE outbox.consumers IS
     'outbox_pg: consumer names and the role that owns each (its first user); only that role and its members may call outbox_mark_processed under the name';
 
--- pg_dump keeps everything: the log (undelivered events among it), cursors, counters, the failure
--- path. (The events' txid values belong to the dumped cluster; see docs/worker.md, "Dump and
--- restore".)
+-- pg_dump keeps the log (undelivered events among it), cursors, counters, the failure path and the
+-- dedup marks. The txid values and cursors belong to the dumped cluster: a restore rebases them onto
+-- the new cluster's counter (restore.sql). Ticks are not kept: the rebase leaves one per shard.
 SELECT pg_catalog.pg_extension_config_dump('outbox.events_0', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.events_1', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.events_2', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.events_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.generations', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.shards', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.ticks', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.held', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.aggregates', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.processed_messages', '');

@@ -50,6 +50,11 @@ fn pg_bindir() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
+/// A PostgreSQL client program (pg_dump, pg_restore, psql) of the installed server's version.
+pub fn pg_command(program: &str) -> Command {
+    Command::new(pg_bindir().join(program))
+}
+
 fn pg_libdir() -> PathBuf {
     let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into());
     let out = Command::new(&pg_config).arg("--pkglibdir").output().expect("pg_config");
@@ -67,7 +72,7 @@ fn as_server_user(program: &Path) -> Command {
     }
 }
 
-fn run(mut cmd: Command, what: &str) -> String {
+pub fn run(mut cmd: Command, what: &str) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{what} failed: {text}");
