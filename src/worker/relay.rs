@@ -36,6 +36,8 @@ const COALESCE_WINDOW: Duration = Duration::from_micros(500);
 enum Health {
     Healthy,
     ExtensionMissing,
+    /// The database's extension version (the library's is tick::LIBRARY_VERSION).
+    ExtensionOutdated(String),
     BrokerDown(String),
     DatabaseError(String),
     Disabled,
@@ -286,6 +288,10 @@ impl Relay {
                 self.set_health(Health::ExtensionMissing);
                 Some(poll.max(Duration::from_secs(1)))
             }
+            TickOutcome::ExtensionOutdated { installed } => {
+                self.set_health(Health::ExtensionOutdated(installed));
+                Some(poll.max(Duration::from_secs(1)))
+            }
             TickOutcome::BrokerDown { error, .. } => Some(self.failed(Health::BrokerDown(error.0))),
             TickOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),
         }
@@ -340,6 +346,7 @@ impl Relay {
                         Health::BrokerDown(error) => format!("failing to reach Redis: {error}"),
                         Health::DatabaseError(error) => format!("failing: {error}"),
                         Health::ExtensionMissing => "waiting for the extension".to_string(),
+                        Health::ExtensionOutdated(_) => "waiting for ALTER EXTENSION outbox_pg UPDATE".to_string(),
                         Health::Healthy => "running; check failed events and per-aggregate backlogs".to_string(),
                     }
                 );
@@ -397,6 +404,11 @@ impl Relay {
                 Health::ExtensionMissing => {
                     log!("outbox_pg: extension found in database \"{}\"; relaying", self.database)
                 }
+                Health::ExtensionOutdated(_) => log!(
+                    "outbox_pg: extension outbox_pg is at version {} in database \"{}\"; relaying",
+                    tick::LIBRARY_VERSION,
+                    self.database
+                ),
                 Health::DatabaseError(_) => log!("outbox_pg: database statements succeed again"),
                 Health::Disabled => log!("outbox_pg: outbox.enabled is on; relaying"),
                 Health::Healthy => {}
@@ -411,6 +423,17 @@ impl Relay {
                 "outbox_pg: extension outbox_pg is not installed in database \"{}\"; the relay waits for CREATE EXTENSION outbox_pg",
                 self.database
             ),
+            Health::ExtensionOutdated(installed) => {
+                let problem = format!(
+                    "database \"{}\" has extension outbox_pg {installed} but the server runs library {}",
+                    self.database,
+                    tick::LIBRARY_VERSION
+                );
+                shmem::set_last_error(&problem);
+                warning!(
+                    "outbox_pg: {problem}; the relay waits, events stay pending (none is lost); run ALTER EXTENSION outbox_pg UPDATE in that database"
+                )
+            }
             Health::Disabled => log!("outbox_pg: outbox.enabled is off; the relay is paused, events stay pending"),
         }
         self.health = health;
@@ -498,7 +521,10 @@ fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
     let events = match outcome {
         TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
         TickOutcome::Idle => "nothing pending".to_string(),
-        TickOutcome::BrokerDown { .. } | TickOutcome::ExtensionMissing | TickOutcome::DatabaseError(_) => return,
+        TickOutcome::BrokerDown { .. }
+        | TickOutcome::ExtensionMissing
+        | TickOutcome::ExtensionOutdated { .. }
+        | TickOutcome::DatabaseError(_) => return,
     };
     log!(
         "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",

@@ -59,6 +59,9 @@ pub enum TickOutcome {
     Idle,
     /// The extension is not installed in the relay's database (yet, or any more).
     ExtensionMissing,
+    /// The database has another version of the extension than this library (a new library was
+    /// installed and the server restarted, and `ALTER EXTENSION outbox_pg UPDATE` has not run yet).
+    ExtensionOutdated { installed: String },
     /// Redis failed as a whole; nothing was finished, so the same batch is read again after the
     /// backoff. Some entries may have been published before the failure was noticed.
     BrokerDown { error: BrokerError, published: usize },
@@ -96,10 +99,10 @@ pub struct Housekeeping {
 }
 
 /// Frees the shards of relays that exited or hang, and measures the oldest pending event, in one
-/// short transaction. `Ok(None)` when the extension is not installed.
+/// short transaction. `Ok(None)` when the extension is not installed at this library's version.
 pub fn housekeeping(lease_ms: i32) -> Result<Option<Housekeeping>, String> {
     txn::run(move || -> Result<Option<Housekeeping>, pgrx::spi::Error> {
-        if installation() == pg_sys::InvalidOid {
+        if !matches!(readiness()?, Readiness::Ready(_)) {
             return Ok(None);
         }
         let reaped = Spi::get_one_with_args::<i64>(REAP, &[lease_ms.into()])?.unwrap_or(0);
@@ -121,6 +124,50 @@ fn installation() -> pg_sys::Oid {
     // SAFETY: a catalog lookup inside a transaction; missing_ok, so it returns InvalidOid rather
     // than raising.
     unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) }
+}
+
+/// Whether the relay may run its statements in this database.
+#[derive(Debug, Clone, PartialEq)]
+enum Readiness {
+    Missing,
+    /// Installed at another version: its functions may not be the ones this library calls.
+    Outdated(String),
+    Ready(pg_sys::Oid),
+}
+
+/// The library's version: the extension version it was built with and whose statements it calls.
+pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+thread_local! {
+    /// The installation last found at LIBRARY_VERSION, and when: the version is read again at most
+    /// once a second (an ALTER EXTENSION UPDATE keeps the OID), not every round.
+    static VERSION_CHECKED: std::cell::Cell<Option<(pg_sys::Oid, Instant)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Checks that the extension is installed, at the version of this library. After a new library is
+/// installed and the server restarted, the database keeps the old extension version until `ALTER
+/// EXTENSION outbox_pg UPDATE`; until then the relay calls nothing (events wait, none is lost).
+fn readiness() -> Result<Readiness, pgrx::spi::Error> {
+    let oid = installation();
+    if oid == pg_sys::InvalidOid {
+        return Ok(Readiness::Missing);
+    }
+    if let Some((checked, at)) = VERSION_CHECKED.get() {
+        if checked == oid && at.elapsed() < Duration::from_secs(1) {
+            return Ok(Readiness::Ready(oid));
+        }
+    }
+    let version = Spi::get_one_with_args::<String>(
+        "SELECT extversion::text FROM pg_catalog.pg_extension WHERE oid = $1",
+        &[oid.into()],
+    )?
+    .unwrap_or_default();
+    if version != LIBRARY_VERSION {
+        VERSION_CHECKED.set(None);
+        return Ok(Readiness::Outdated(version));
+    }
+    VERSION_CHECKED.set(Some((oid, Instant::now())));
+    Ok(Readiness::Ready(oid))
 }
 
 /// One shard's part of a round.
@@ -189,14 +236,14 @@ fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::sp
 /// between its cursor and the claim's snapshot; see "Why a window is read whole" in
 /// docs/worker.md), the failure path's due events, and what the batch's
 /// aggregates need (counters, whether they have events waiting on the failure path). Writes only
-/// when shards change hands. `Ok(None)` when the extension is not installed.
-fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
+/// when shards change hands. `Err(readiness)` when the extension is missing or at another version.
+fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, String> {
     let settings = settings.clone();
-    txn::run(move || -> Result<Option<Batch>, pgrx::spi::Error> {
-        let installation = installation();
-        if installation == pg_sys::InvalidOid {
-            return Ok(None);
-        }
+    txn::run(move || -> Result<Result<Batch, Readiness>, pgrx::spi::Error> {
+        let installation = match readiness()? {
+            Readiness::Ready(oid) => oid,
+            other => return Ok(Err(other)),
+        };
         Spi::connect_mut(|client| {
             let mut batch = Batch { installation, ..Batch::default() };
             let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
@@ -217,7 +264,7 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
                 held_any = row.get::<bool>(5)?.unwrap_or(true);
             }
             if claimed.is_empty() {
-                return Ok(Some(batch));
+                return Ok(Ok(batch));
             }
             // Outside a full read, only the shards that commits flagged since the last round.
             let mine: u32 = claimed.iter().fold(0, |mask, (shard, ..)| mask | 1u32 << (*shard as u32 % 32));
@@ -287,7 +334,7 @@ fn read_round(settings: &TickSettings) -> Result<Option<Batch>, String> {
                 batch.counters = aggregates.into_iter().zip(last_seq).map(|((t, i), seq)| (t, i, seq)).collect();
             }
             batch.events = log;
-            Ok(Some(batch))
+            Ok(Ok(batch))
         })
     })
 }
@@ -425,8 +472,9 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     timings.claim = started.elapsed();
     let mut batch = match read {
         Err(error) => return TickOutcome::DatabaseError(error),
-        Ok(None) => return TickOutcome::ExtensionMissing,
-        Ok(Some(batch)) => batch,
+        Ok(Err(Readiness::Outdated(installed))) => return TickOutcome::ExtensionOutdated { installed },
+        Ok(Err(_)) => return TickOutcome::ExtensionMissing,
+        Ok(Ok(batch)) => batch,
     };
     timings.shards_held = Some(batch.shards.len());
     let claimed = batch.events.len() + batch.held_due.len();
