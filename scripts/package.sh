@@ -96,13 +96,26 @@ fi
 strip --strip-unneeded --remove-section=.comment --remove-section=.note "$EXT_ROOT$PKGLIBDIR/outbox_pg.so"
 strip --strip-unneeded --remove-section=.comment --remove-section=.note "$CLI_ROOT/usr/bin/outbox-consume"
 
-# Documentation: Debian wants a copyright file in every package. The crates declare the PostgreSQL
-# licence; a LICENSE file is shipped when the tree has one.
-add_docs() { # root package readme
+MAINTAINER=${DEB_MAINTAINER:-"$(git config user.name || echo outbox_pg maintainers) <$(git config user.email || echo root@localhost)>"}
+
+# Documentation: Debian wants a copyright file and a changelog in every package. The crates
+# declare the PostgreSQL licence; a LICENSE file is shipped when the tree has one.
+# The project's CHANGELOG.md is not in Debian's changelog format, which a native package's
+# changelog.gz must be: ship it as it is, beside a one-entry Debian changelog dated by the commit.
+add_docs() { # root package readme version
   local doc=$1/usr/share/doc/$2
   install -d "$doc"
   install -m 0644 "$3" "$doc/README.md"
-  gzip -9n "$doc/README.md"
+  install -m 0644 CHANGELOG.md "$doc/CHANGELOG.md"
+  cat >"$doc/changelog" <<EOF
+$2 ($4) unstable; urgency=medium
+
+  * Built from outbox_pg commit $(git describe --always --dirty); the changes are listed in
+    /usr/share/doc/$2/CHANGELOG.md.gz.
+
+ -- $MAINTAINER  $(git log -1 --format=%aD)
+EOF
+  gzip -9n "$doc/README.md" "$doc/CHANGELOG.md" "$doc/changelog"
   if [ -f LICENSE ]; then
     install -m 0644 LICENSE "$doc/copyright"
   else
@@ -117,8 +130,8 @@ License: PostgreSQL
 EOF
   fi
 }
-add_docs "$EXT_ROOT" "$EXT_PKG" README.md
-add_docs "$CLI_ROOT" "$CLI_PKG" consumer/README.md
+add_docs "$EXT_ROOT" "$EXT_PKG" README.md "$EXT_VERSION"
+add_docs "$CLI_ROOT" "$CLI_PKG" consumer/README.md "$CLI_VERSION"
 
 # dpkg-shlibdeps turns the ELF files' DT_NEEDED entries into versioned Depends (libc6, libgcc-s1).
 # It wants a debian/control of a source package in the current directory: give it a minimal one.
@@ -138,7 +151,6 @@ shlibs_depends() { # elf-file
 EXT_DEPENDS="postgresql-$PG_MAJOR, $(shlibs_depends "$EXT_ROOT$PKGLIBDIR/outbox_pg.so")"
 CLI_DEPENDS=$(shlibs_depends "$CLI_ROOT/usr/bin/outbox-consume")
 
-MAINTAINER=${DEB_MAINTAINER:-"$(git config user.name || echo outbox_pg maintainers) <$(git config user.email || echo root@localhost)>"}
 write_control() { # root package version depends short-description long-description
   cat >"$1/DEBIAN/control" <<EOF
 Package: $2
