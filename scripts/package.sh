@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-PG_MAJOR=15
+PG_MAJOR=${PG_MAJOR:-15}
 PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
 EXT_PKG=postgresql-$PG_MAJOR-outbox-pg
 CLI_PKG=outbox-consume
@@ -61,7 +61,7 @@ mkdir -p "$STAGE" "$OUT_DIR"
 
 echo "== cargo pgrx package (release build of the extension)"
 PGRX_OUT=$STAGE/pgrx
-cargo pgrx package --pg-config "$PG_CONFIG" --out-dir "$PGRX_OUT"
+cargo pgrx package --no-default-features --features "pg$PG_MAJOR" --pg-config "$PG_CONFIG" --out-dir "$PGRX_OUT"
 
 echo "== cargo build --release -p outbox-consumer"
 cargo build --release -p outbox-consumer --bin outbox-consume

@@ -10,7 +10,10 @@ bash scripts/install-deps.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS  # it would override the link flags pgrx needs
 
-FEATURES="pg15 pg_test"
+# PG_MAJOR (default 15, the supported version) picks the server to build and test against.
+export PG_MAJOR=${PG_MAJOR:-15}
+export PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/$PG_MAJOR/bin/pg_config}
+FEATURES="pg$PG_MAJOR pg_test"
 # PostgreSQL refuses to run as root: the pgrx test instance runs as `postgres`, in a directory it
 # owns with a short path (it is also the socket directory).
 PGRX_TEST_DATA=${PGRX_TEST_DATA:-/tmp/opg-pgrx}

@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use common::Env;
 
-const EXT_PKG: &str = "postgresql-15-outbox-pg";
 const CLI_PKG: &str = "outbox-consume";
 
 /// Runs `cmd`, fails the test unless it succeeds, and returns its stdout.
@@ -141,11 +140,14 @@ fn debian_packages_install_and_relay() {
             })
             .unwrap_or_else(|| panic!("scripts/package.sh printed no path of package {package}:\n{built}"))
     };
-    let (ext_deb, cli_deb) = (deb_of(EXT_PKG), deb_of(CLI_PKG));
-    let _installation = Installation::install(&[(EXT_PKG, &ext_deb), (CLI_PKG, &cli_deb)]);
+    // Named like Debian's own extension packages, by the server's major version (scripts/package.sh).
+    let ext_pkg: &'static str =
+        format!("postgresql-{}-outbox-pg", std::env::var("PG_MAJOR").unwrap_or_else(|_| "15".into())).leak();
+    let (ext_deb, cli_deb) = (deb_of(ext_pkg), deb_of(CLI_PKG));
+    let _installation = Installation::install(&[(ext_pkg, &ext_deb), (CLI_PKG, &cli_deb)]);
 
     // The files the server loads belong to the package, unmodified.
-    let owned = run(Command::new("dpkg").args(["-L", EXT_PKG]), "dpkg -L");
+    let owned = run(Command::new("dpkg").args(["-L", ext_pkg]), "dpkg -L");
     let owned: Vec<&Path> = owned.lines().map(Path::new).collect();
     let extension_dir = pg_config("--sharedir").join("extension");
     let mut expected = vec![pg_config("--pkglibdir").join("outbox_pg.so"), extension_dir.join("outbox_pg.control")];
@@ -157,9 +159,9 @@ fn debian_packages_install_and_relay() {
         }
     }
     for path in &expected {
-        assert!(owned.contains(&path.as_path()), "{EXT_PKG} does not install {}:\n{owned:?}", path.display());
+        assert!(owned.contains(&path.as_path()), "{ext_pkg} does not install {}:\n{owned:?}", path.display());
     }
-    let modified = run(Command::new("dpkg").args(["--verify", EXT_PKG, CLI_PKG]), "dpkg --verify");
+    let modified = run(Command::new("dpkg").args(["--verify", ext_pkg, CLI_PKG]), "dpkg --verify");
     assert!(modified.is_empty(), "installed files differ from the packages':\n{modified}");
 
     // A private cluster preloading the installed library; Env creates the extension.

@@ -79,10 +79,11 @@ fn build_release(version: &str, commit: &str) -> PathBuf {
     untar.arg("-xf").arg(&archive).arg("-C").arg(&source);
     run(untar, "tar -x");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let feature = format!("pg{}", std::env::var("PG_MAJOR").unwrap_or_else(|_| "15".into()));
     let mut build = Command::new(cargo);
     build
         .current_dir(&source)
-        .args(["pgrx", "package", "--debug", "--no-default-features", "--features", "pg15", "--pg-config"])
+        .args(["pgrx", "package", "--debug", "--no-default-features", "--features", &feature, "--pg-config"])
         .arg(pg_config("--bindir").join("pg_config"))
         .arg("--out-dir")
         .arg(&package)
