@@ -1,5 +1,224 @@
 -- outbox_pg 0.2.0 -> 0.3.0. Every schema change made after 0.2.0 goes here, in the commit that
 -- makes it (sql/README.md). tests/upgrade.rs checks that the result equals a fresh 0.3.0 install.
---
--- So far 0.3.0 changes only the library: nothing to do in the schema.
 \echo Use "ALTER EXTENSION outbox_pg UPDATE" to load this file. \quit
+
+-- Bounded windows: snapshots recorded while events wait; a shard more than a second behind reads up
+-- to the next one (docs/worker.md, "Catching up"). The claim returns each shard's own upto and
+-- whether it is bounded; the batch read takes one upto per shard.
+CREATE TABLE outbox.snapshots (
+    taken_at timestamptz PRIMARY KEY,
+    snap     pg_snapshot NOT NULL
+);
+COMMENT ON TABLE outbox.snapshots IS
+    'outbox_pg: snapshots taken while events were undelivered; a lagging shard reads up to the next one rather than the whole backlog';
+GRANT SELECT ON outbox.snapshots TO outbox_admin;
+
+DROP FUNCTION outbox._claim_shards(integer, integer, integer);
+CREATE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
+RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean, bounded boolean)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+DECLARE
+    held_now integer;
+BEGIN
+    SELECT count(*) INTO held_now FROM outbox.shards s WHERE s.claimed_by = relay_pid;
+    IF held_now > share THEN
+        UPDATE outbox.shards s SET claimed_by = NULL, claimed_at = NULL
+         WHERE s.shard IN (SELECT m.shard FROM outbox.shards m WHERE m.claimed_by = relay_pid ORDER BY m.shard OFFSET share);
+    ELSIF held_now < share THEN
+        UPDATE outbox.shards s SET claimed_by = relay_pid, claimed_at = clock_timestamp()
+         WHERE s.shard IN (
+                SELECT f.shard
+                  FROM outbox.shards f
+                 WHERE f.claimed_by IS NULL
+                    OR (f.claimed_by <> relay_pid
+                        AND (f.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
+                             OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(f.claimed_by))))
+                 ORDER BY f.shard
+                 LIMIT share - held_now
+                   FOR UPDATE SKIP LOCKED);
+    END IF;
+    UPDATE outbox.shards s SET claimed_at = clock_timestamp()
+     WHERE s.claimed_by = relay_pid AND s.claimed_at < clock_timestamp() - (lease_ms / 3) * interval '1 millisecond';
+    -- What each shard reads up to, taken after the claim: now; or, for a shard more than a second
+    -- behind (a snapshot recorded over a second ago is ahead of its cursor), the first recorded
+    -- snapshot ahead of its cursor. "Ahead" is a larger xmax: the snapshot was taken after more
+    -- transactions had completed, so after the cursor's. And whether the failure path has anything
+    -- in these shards (most rounds then skip it).
+    RETURN QUERY
+        WITH mine AS (SELECT s.* FROM outbox.shards s WHERE s.claimed_by = relay_pid),
+             bounds AS (
+                 SELECT m.*,
+                        (SELECT p.snap FROM outbox.snapshots p
+                          WHERE p.taken_at < clock_timestamp() - interval '1 second'
+                            AND pg_catalog.pg_snapshot_xmax(p.snap) > pg_catalog.pg_snapshot_xmax(m.cursor)
+                          ORDER BY p.taken_at LIMIT 1) AS recorded
+                   FROM mine m)
+        SELECT b.shard, b.cursor::text, (extract(epoch FROM clock_timestamp() - b.cursor_at) * 1000)::bigint,
+               coalesce(b.recorded, pg_catalog.pg_current_snapshot())::text,
+               EXISTS (SELECT 1 FROM outbox.held h
+                        WHERE h.shard IN (SELECT shard FROM mine) AND h.status IN ('waiting', 'failed')),
+               b.recorded IS NOT NULL
+          FROM bounds b ORDER BY b.shard;
+END
+$fn$;
+REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
+
+DROP FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer);
+CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], uptos pg_snapshot[], max_events integer)
+RETURNS TABLE (
+    shard          smallint,
+    txid           bigint,
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+-- Index scans of (shard, txid) in txid order, whatever the statistics say: never a sort of the
+-- whole window, never a sequential scan of the log.
+SET enable_seqscan = off
+SET enable_sort = off
+SET enable_bitmapscan = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        SELECT x.shard, b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload,
+               b.headers, b.stream, b.created_at
+          FROM unnest(shards, cursors, uptos) AS x(shard, cursor, upto)
+         CROSS JOIN LATERAL (
+                   SELECT e.txid::text::bigint AS txid, e.id, e.event_id::text AS event_id, e.aggregate_type,
+                          e.aggregate_id, e.event_type, e.payload::text AS payload, e.headers::text AS headers,
+                          e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at
+                     FROM outbox.events e
+                    WHERE e.shard = x.shard
+                      AND e.txid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(x.cursor::pg_snapshot)))
+                      AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
+                   UNION ALL
+                   (SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id,
+                           e.event_type, e.payload::text, e.headers::text, e.stream,
+                           to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+                      FROM outbox.events e
+                     WHERE e.shard = x.shard
+                       AND e.txid >= pg_catalog.pg_snapshot_xmax(x.cursor::pg_snapshot)
+                       AND e.txid < pg_catalog.pg_snapshot_xmax(x.upto)
+                       AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
+                     ORDER BY e.txid
+                     LIMIT max_events)) b;
+END
+$fn$;
+REVOKE ALL ON FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot[], integer) FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
+RETURNS TABLE (
+    txid           bigint,
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers,
+           b.stream, b.created_at
+      FROM outbox._read_batch(ARRAY[the_shard], ARRAY[cursor::text], ARRAY[upto], max_events) b
+$fn$;
+
+CREATE FUNCTION outbox._record_snapshot(record boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+BEGIN
+    DELETE FROM outbox.snapshots p
+     WHERE pg_snapshot_xmax(p.snap) <= (SELECT min(pg_snapshot_xmax(s.cursor)) FROM outbox.shards s);
+    IF NOT record
+       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > clock_timestamp() - interval '900 milliseconds') THEN
+        RETURN false;
+    END IF;
+    INSERT INTO outbox.snapshots (taken_at, snap) VALUES (clock_timestamp(), pg_current_snapshot());
+    RETURN true;
+END
+$fn$;
+REVOKE ALL ON FUNCTION outbox._record_snapshot(boolean) FROM PUBLIC;
+
+-- A restore also forgets the recorded snapshots (they belong to the old transaction counter).
+CREATE OR REPLACE FUNCTION outbox._rebase()
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    me xid8 := pg_current_xact_id();
+    consumed_txid constant xid8 := '3';  -- FrozenTransactionId: below every cursor
+    fresh pg_snapshot;
+    undelivered bigint := 0;
+    n bigint;
+BEGIN
+    IF (SELECT count(*) FROM outbox.restored_shards) < 16 OR (SELECT count(*) FROM outbox.restored_generations) < 3 THEN
+        RETURN false;
+    END IF;
+    -- Nobody relays while the state is being translated (a restore outside one transaction).
+    LOCK TABLE outbox.shards, outbox.generations IN EXCLUSIVE MODE;
+
+    FOR generation IN 0..2 LOOP
+        EXECUTE format(
+            'UPDATE outbox.events_%s e
+                SET txid = CASE WHEN pg_visible_in_snapshot(e.txid, r.cursor) THEN $1 ELSE $2 END
+               FROM outbox.restored_shards r
+              WHERE r.shard = e.shard AND e.txid <> $1', generation)
+            USING consumed_txid, me;
+        EXECUTE format('SELECT count(*) FROM outbox.events_%s WHERE txid = $1', generation) INTO n USING me;
+        undelivered := undelivered + n;
+    END LOOP;
+
+    -- Every cursor starts just before the restoring transaction (outbox._initial_cursor keeps it in
+    -- progress), so that its events are the first batch.
+    fresh := outbox._initial_cursor();
+    UPDATE outbox.shards s SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL;
+    -- published_at of the restored published events: the dumped cursor's time, an upper bound.
+    DELETE FROM outbox.ticks;
+    DELETE FROM outbox.snapshots;
+    INSERT INTO outbox.ticks (shard, cursor, at)
+    SELECT r.shard, fresh, r.cursor_at FROM outbox.restored_shards r;
+
+    -- One current table at every step (a unique index): clear first, then take the dumped states.
+    -- A table the dumped cluster was still closing had no writer left when it was dumped.
+    UPDATE outbox.generations
+       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL;
+    UPDATE outbox.generations g
+       SET state = CASE r.state WHEN 'closing' THEN 'closed' ELSE r.state END,
+           opened_at = r.opened_at,
+           closed_at = r.closed_at,
+           closed_below = CASE WHEN r.state IN ('closing', 'closed') THEN pg_snapshot_xmax(fresh) END
+      FROM outbox.restored_generations r
+     WHERE r.generation = g.generation;
+    IF NOT EXISTS (SELECT 1 FROM outbox.generations WHERE state = 'current') THEN
+        UPDATE outbox.generations SET state = 'current', opened_at = clock_timestamp()
+         WHERE generation = (SELECT min(generation) FROM outbox.generations WHERE state = 'empty');
+    END IF;
+
+    DELETE FROM outbox.restored_shards;
+    DELETE FROM outbox.restored_generations;
+    RAISE LOG 'outbox_pg: restored outbox rebased onto this cluster''s transaction ids; % undelivered events will be published', undelivered;
+    RETURN true;
+END
+$fn$;

@@ -202,6 +202,89 @@ fn redis_outage_delays_delivery_and_records_the_error() {
     assert_eq!(log.matches("publishing to Redis at").count(), 1, "{log}");
 }
 
+/// After an outage a shard's backlog is read in windows that end at snapshots housekeeping recorded
+/// while it waited (about a second of traffic each), not whole: three bursts, each followed by a
+/// recorded snapshot, cross at least three windows, and order and numbering hold across them.
+#[test]
+fn a_backlog_after_an_outage_is_read_window_by_window_in_order() {
+    let mut env = Env::start(&[]);
+    let mut client = env.pg.connect();
+    env.redis.kill();
+    let mut ids: HashMap<String, Vec<String>> = HashMap::new();
+    let mut cursor_xmax_before: Vec<i64> = Vec::new();
+    for burst in 0..3 {
+        for i in 0..5 {
+            for aggregate in ["a", "b"] {
+                ids.entry(aggregate.to_string()).or_default().push(enqueue(
+                    &mut client,
+                    "lag",
+                    aggregate,
+                    &i.to_string(),
+                ));
+            }
+        }
+        // Housekeeping records a snapshot about once a second while anything waits.
+        let burst_done: std::time::SystemTime = client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
+        wait_for(DEADLINE, &format!("a snapshot recorded after burst {burst}"), || {
+            client
+                .query_one("SELECT count(*) FROM outbox.snapshots WHERE taken_at > $1", &[&burst_done])
+                .unwrap()
+                .get::<_, i64>(0)
+                .gt(&0)
+                .then_some(())
+        });
+        cursor_xmax_before.push(
+            client
+                .query_one("SELECT max(pg_snapshot_xmax(cursor)::text::bigint) FROM outbox.shards", &[])
+                .unwrap()
+                .get(0),
+        );
+    }
+    // Every recorded snapshot must be over a second old to bound a window.
+    let last: std::time::SystemTime =
+        client.query_one("SELECT max(taken_at) FROM outbox.snapshots", &[]).unwrap().get(0);
+    wait_for(DEADLINE, "the last burst's snapshot to be a second old", || {
+        client
+            .query_one("SELECT clock_timestamp() > $1::timestamptz + interval '1100 ms'", &[&last])
+            .unwrap()
+            .get::<_, bool>(0)
+            .then_some(())
+    });
+    let recorded: i64 = client.query_one("SELECT count(*) FROM outbox.snapshots", &[]).unwrap().get(0);
+    assert!(recorded >= 3, "{recorded} snapshots recorded");
+    assert!(cursor_xmax_before.windows(2).all(|w| w[0] == w[1]), "no cursor moved during the outage");
+
+    env.redis.restart();
+    let entries = env.redis.wait_for_entries("outbox:lag", 30);
+    for aggregate in ["a", "b"] {
+        let mine: Vec<(&str, &str)> = entries
+            .iter()
+            .filter(|e| e["aggregate_id"] == aggregate)
+            .map(|e| (e["event_id"].as_str(), e["aggregate_seq"].as_str()))
+            .collect();
+        let expected: Vec<String> = (1..=15).map(|n| n.to_string()).collect();
+        let expected: Vec<(&str, &str)> =
+            ids[aggregate].iter().map(String::as_str).zip(expected.iter().map(String::as_str)).collect();
+        assert_eq!(mine, expected, "aggregate {aggregate}: every event once, in order, numbered 1..15");
+    }
+    wait_all_published(&mut client, 30);
+    let log = env.pg.log();
+    assert!(log.contains("is catching up on a backlog"), "{log}");
+    wait_for(DEADLINE, "the relay to say it caught up", || env.pg.log().contains("has caught up").then_some(()));
+    // The cursors passed the recorded snapshots, which housekeeping then forgets.
+    wait_for(DEADLINE, "the recorded snapshots to be forgotten", || {
+        let left: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox.snapshots
+                  WHERE pg_snapshot_xmax(snap) <= (SELECT min(pg_snapshot_xmax(cursor)) FROM outbox.shards)",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (left == 0).then_some(())
+    });
+}
+
 #[test]
 fn reload_with_a_new_redis_url_and_password_file_is_honoured() {
     let env = Env::start(&[]);

@@ -17,11 +17,12 @@ COMMENT ON VIEW outbox.events IS 'outbox_pg: the event log, all three generation
 -- Takes and keeps this relay's share of the 16 shards (FOR UPDATE SKIP LOCKED, so relays never
 -- wait on each other), gives back what is above the share, renews the lease a third of the way
 -- through, and returns the shards it holds with their cursors and how long ago each moved, the
--- snapshot the round reads up to, and whether the failure path holds anything in them. Shards held by a relay that exited,
--- or whose lease expired (a hung relay), are taken like free ones. Writes only when something
--- changes hands or a lease is renewed.
+-- snapshot each shard reads up to, whether that is a recorded snapshot rather than now (bounded:
+-- the shard lags, more follows), and whether the failure path holds anything in them. Shards held
+-- by a relay that exited, or whose lease expired (a hung relay), are taken like free ones. Writes
+-- only when something changes hands or a lease is renewed.
 CREATE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
-RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean)
+RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean, bounded boolean)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
@@ -49,26 +50,37 @@ BEGIN
     END IF;
     UPDATE outbox.shards s SET claimed_at = clock_timestamp()
      WHERE s.claimed_by = relay_pid AND s.claimed_at < clock_timestamp() - (lease_ms / 3) * interval '1 millisecond';
-    -- The snapshot the round reads up to, taken after the claim, and whether the failure path has
-    -- anything in these shards (most rounds then skip it).
+    -- What each shard reads up to, taken after the claim: now; or, for a shard more than a second
+    -- behind (a snapshot recorded over a second ago is ahead of its cursor), the first recorded
+    -- snapshot ahead of its cursor. "Ahead" is a larger xmax: the snapshot was taken after more
+    -- transactions had completed, so after the cursor's. And whether the failure path has anything
+    -- in these shards (most rounds then skip it).
     RETURN QUERY
-        WITH mine AS (SELECT s.* FROM outbox.shards s WHERE s.claimed_by = relay_pid)
-        SELECT m.shard, m.cursor::text, (extract(epoch FROM clock_timestamp() - m.cursor_at) * 1000)::bigint,
-               pg_catalog.pg_current_snapshot()::text,
+        WITH mine AS (SELECT s.* FROM outbox.shards s WHERE s.claimed_by = relay_pid),
+             bounds AS (
+                 SELECT m.*,
+                        (SELECT p.snap FROM outbox.snapshots p
+                          WHERE p.taken_at < clock_timestamp() - interval '1 second'
+                            AND pg_catalog.pg_snapshot_xmax(p.snap) > pg_catalog.pg_snapshot_xmax(m.cursor)
+                          ORDER BY p.taken_at LIMIT 1) AS recorded
+                   FROM mine m)
+        SELECT b.shard, b.cursor::text, (extract(epoch FROM clock_timestamp() - b.cursor_at) * 1000)::bigint,
+               coalesce(b.recorded, pg_catalog.pg_current_snapshot())::text,
                EXISTS (SELECT 1 FROM outbox.held h
-                        WHERE h.shard IN (SELECT shard FROM mine) AND h.status IN ('waiting', 'failed'))
-          FROM mine m ORDER BY m.shard;
+                        WHERE h.shard IN (SELECT shard FROM mine) AND h.status IN ('waiting', 'failed')),
+               b.recorded IS NOT NULL
+          FROM bounds b ORDER BY b.shard;
 END
 $fn$;
 
 -- A round's batch, for every shard the relay holds in one statement (one statement per shard would
 -- cost a round trip through the executor each): per shard, the events of the transactions visible
--- in upto and not in its cursor. Transactions that were running when the cursor was taken are found
+-- in its upto and not in its cursor. Transactions that were running when the cursor was taken are found
 -- through the cursor's in-progress list, the others through the range from the cursor's xmax, so a
 -- long transaction never makes a batch rescan what was consumed after it began. The range part stops
 -- after max_events rows, in txid order (the relay passes no limit: a window is read whole, see
 -- "Why a window is read whole" in docs/worker.md).
-CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], upto pg_snapshot, max_events integer)
+CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], uptos pg_snapshot[], max_events integer)
 RETURNS TABLE (
     shard          smallint,
     txid           bigint,
@@ -96,7 +108,7 @@ BEGIN
     RETURN QUERY
         SELECT x.shard, b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload,
                b.headers, b.stream, b.created_at
-          FROM unnest(shards, cursors) AS x(shard, cursor)
+          FROM unnest(shards, cursors, uptos) AS x(shard, cursor, upto)
          CROSS JOIN LATERAL (
                    SELECT e.txid::text::bigint AS txid, e.id, e.event_id::text AS event_id, e.aggregate_type,
                           e.aggregate_id, e.event_type, e.payload::text AS payload, e.headers::text AS headers,
@@ -104,7 +116,7 @@ BEGIN
                      FROM outbox.events e
                     WHERE e.shard = x.shard
                       AND e.txid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(x.cursor::pg_snapshot)))
-                      AND pg_catalog.pg_visible_in_snapshot(e.txid, upto)
+                      AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
                    UNION ALL
                    (SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id,
                            e.event_type, e.payload::text, e.headers::text, e.stream,
@@ -112,8 +124,8 @@ BEGIN
                       FROM outbox.events e
                      WHERE e.shard = x.shard
                        AND e.txid >= pg_catalog.pg_snapshot_xmax(x.cursor::pg_snapshot)
-                       AND e.txid < pg_catalog.pg_snapshot_xmax(upto)
-                       AND pg_catalog.pg_visible_in_snapshot(e.txid, upto)
+                       AND e.txid < pg_catalog.pg_snapshot_xmax(x.upto)
+                       AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
                      ORDER BY e.txid
                      LIMIT max_events)) b;
 END
@@ -139,7 +151,7 @@ SET search_path = pg_catalog, pg_temp
 AS $fn$
     SELECT b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers,
            b.stream, b.created_at
-      FROM outbox._read_batch(ARRAY[the_shard], ARRAY[cursor::text], upto, max_events) b
+      FROM outbox._read_batch(ARRAY[the_shard], ARRAY[cursor::text], ARRAY[upto], max_events) b
 $fn$;
 
 COMMENT ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) IS
@@ -357,6 +369,27 @@ BEGIN
 END
 $fn$;
 
+-- Forgets the recorded snapshots every cursor has reached (outbox.snapshots), and, while anything is
+-- undelivered (record), records one for lagging shards to read up to, at most about once a second.
+-- Housekeeping calls it. Returns whether it recorded one.
+CREATE FUNCTION outbox._record_snapshot(record boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+BEGIN
+    DELETE FROM outbox.snapshots p
+     WHERE pg_snapshot_xmax(p.snap) <= (SELECT min(pg_snapshot_xmax(s.cursor)) FROM outbox.shards s);
+    IF NOT record
+       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > clock_timestamp() - interval '900 milliseconds') THEN
+        RETURN false;
+    END IF;
+    INSERT INTO outbox.snapshots (taken_at, snap) VALUES (clock_timestamp(), pg_current_snapshot());
+    RETURN true;
+END
+$fn$;
+
 -- The reaper: frees the shards of relays that exited or whose lease expired, so that the others
 -- take them at their next round. Returns how many.
 CREATE FUNCTION outbox._reap_shards(lease_ms integer)
@@ -454,7 +487,8 @@ COMMENT ON FUNCTION outbox._retention(interval, boolean) IS
 REVOKE ALL ON FUNCTION outbox._initial_cursor() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot[], integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._record_snapshot(boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._cursor_below(pg_snapshot, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._counters(text[], text[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) FROM PUBLIC;

@@ -73,6 +73,7 @@ BEGIN
     UPDATE outbox.shards s SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL;
     -- published_at of the restored published events: the dumped cursor's time, an upper bound.
     DELETE FROM outbox.ticks;
+    DELETE FROM outbox.snapshots;
     INSERT INTO outbox.ticks (shard, cursor, at)
     SELECT r.shard, fresh, r.cursor_at FROM outbox.restored_shards r;
 

@@ -179,6 +179,18 @@ CREATE TABLE outbox.ticks (
 );
 CREATE INDEX ticks_shard_at_idx ON outbox.ticks (shard, at);
 
+-- Snapshots taken about once a second while events are undelivered (by housekeeping), kept until
+-- every cursor has passed them: PgQ's ticks. A shard whose cursor lags (after an outage, or behind a
+-- backlog) reads up to the first of them after its cursor instead of up to now, so that a round
+-- holds about a second of traffic per shard rather than the whole backlog. A later snapshot sees
+-- every transaction an earlier one saw committed, so windows between them keep commit order.
+CREATE TABLE outbox.snapshots (
+    taken_at timestamptz PRIMARY KEY,
+    snap     pg_snapshot NOT NULL
+);
+COMMENT ON TABLE outbox.snapshots IS
+    'outbox_pg: snapshots taken while events were undelivered; a lagging shard reads up to the next one rather than the whole backlog';
+
 -- The failure path: events Redis rejected (with their aggregate's later events waiting behind
 -- them), and events waiting behind those. Written only when something goes wrong; every column of
 -- the event is copied, so that retention may truncate its table.
@@ -268,6 +280,6 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.consumers', '');
 -- never by writing rows.
 GRANT USAGE ON SCHEMA outbox TO outbox_admin;
 GRANT SELECT ON outbox.events_0, outbox.events_1, outbox.events_2, outbox.generations, outbox.shards,
-                outbox.ticks, outbox.held, outbox.aggregates TO outbox_admin;
+                outbox.ticks, outbox.snapshots, outbox.held, outbox.aggregates TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.processed_messages TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.consumers TO outbox_admin;

@@ -485,6 +485,45 @@ fn shards_are_claimed_up_to_a_share_with_a_lease_and_reaped() {
 }
 
 #[pg_test]
+fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog() {
+    take_all_shards();
+    // Shard 0 is behind two snapshots recorded over a second ago; the third is recent.
+    Spi::run("UPDATE outbox.shards SET cursor = '100:100:' WHERE shard = 0").unwrap();
+    Spi::run(
+        "INSERT INTO outbox.snapshots VALUES (now() - interval '5 seconds', '150:160:155'),
+                                             (now() - interval '4 seconds', '170:180:'),
+                                             (clock_timestamp(), pg_current_snapshot())",
+    )
+    .unwrap();
+    let claim = |shard: i32| {
+        Spi::get_one_with_args::<String>(
+            "SELECT upto || ' ' || bounded FROM outbox._claim_shards(pg_backend_pid(), 16, 30000) WHERE shard = $1",
+            &[shard.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    let advance = |cursor: &str| {
+        Spi::run_with_args(
+            "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[$1], '{}', '{}', '{}')",
+            &[cursor.into()],
+        )
+        .unwrap()
+    };
+    let now = Spi::get_one::<String>("SELECT pg_current_snapshot()::text").unwrap().unwrap();
+    assert_eq!(claim(0), "150:160:155 true", "the first recorded snapshot ahead of the cursor");
+    assert_eq!(claim(1), format!("{now} false"), "a shard that keeps up reads up to now");
+    advance("150:160:155");
+    assert_eq!(claim(0), "170:180: true", "then the next one");
+    advance("170:180:");
+    assert_eq!(claim(0), format!("{now} false"), "caught up to within a second: up to now");
+    // Housekeeping forgets the snapshots every cursor has reached, and records at most one a second.
+    Spi::run("UPDATE outbox.shards SET cursor = '170:180:'").unwrap();
+    assert_eq!(Spi::get_one::<bool>("SELECT outbox._record_snapshot(true)").unwrap(), Some(false));
+    assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.snapshots").unwrap(), Some(1));
+}
+
+#[pg_test]
 fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() {
     take_all_shards();
     Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 1, 30000)").unwrap();

@@ -61,6 +61,8 @@ struct Relay {
     /// (once per poll interval: the safety net for what no commit flagged, such as prepared
     /// transactions committed elsewhere, and for moving idle cursors on).
     full_read_at: Instant,
+    /// Whether the last round read a lagging shard up to a recorded snapshot (logged on change).
+    catching_up: bool,
 }
 
 #[pg_guard]
@@ -118,6 +120,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         database: guc::database(),
         shards_held: 0,
         full_read_at: Instant::now(),
+        catching_up: false,
     };
     relay.sink.configure(redis_config());
     log!("outbox_pg relay {} started: database \"{}\", Redis at {}", relay.slot, relay.database, relay.sink.describe());
@@ -256,8 +259,9 @@ impl Relay {
             );
         }
         match outcome {
-            TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, more, .. } => {
+            TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, more, catching_up, .. } => {
                 self.recovered();
+                self.note_catching_up(catching_up);
                 if let Some(error) = last_rejection {
                     shmem::set_last_error(&format!("Redis rejected {rejected} events: {error}"));
                 }
@@ -282,6 +286,7 @@ impl Relay {
             }
             TickOutcome::Idle => {
                 self.recovered();
+                self.note_catching_up(false);
                 Some(poll.min(until_housekeeping))
             }
             TickOutcome::ExtensionMissing => {
@@ -361,6 +366,23 @@ impl Relay {
                 shmem::set_alert_logged(false);
             }
             _ => {}
+        }
+    }
+
+    /// Logs when the relay starts reading a backlog window by window (a shard more than a second
+    /// behind reads up to the next recorded snapshot, not to now) and when it has caught up.
+    fn note_catching_up(&mut self, catching_up: bool) {
+        if catching_up == self.catching_up {
+            return;
+        }
+        self.catching_up = catching_up;
+        if catching_up {
+            log!(
+                "outbox_pg: relay {} is catching up on a backlog more than a second old, one recorded snapshot (about a second of traffic) per round",
+                self.slot
+            );
+        } else {
+            log!("outbox_pg: relay {} has caught up", self.slot);
         }
     }
 

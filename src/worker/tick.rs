@@ -45,8 +45,9 @@ pub struct TickSettings {
 pub enum TickOutcome {
     /// A batch was read, published and finished. `published` reached Redis; `rejected` were
     /// refused by Redis because of the event itself and are on the failure path, backing off, of
-    /// which `dead_lettered` reached `max_attempts` and are now failed. `more`: a shard's batch
-    /// was cut, so more events are waiting.
+    /// which `dead_lettered` reached `max_attempts` and are now failed. `more`: more is waiting
+    /// (the failure path had a full batch due, or a shard read only up to a recorded snapshot).
+    /// `catching_up`: a shard was more than a second behind and read up to a recorded snapshot.
     Worked {
         claimed: usize,
         published: usize,
@@ -54,6 +55,7 @@ pub enum TickOutcome {
         dead_lettered: i64,
         last_rejection: Option<String>,
         more: bool,
+        catching_up: bool,
     },
     /// Nothing was waiting.
     Idle,
@@ -69,10 +71,10 @@ pub enum TickOutcome {
     DatabaseError(String),
 }
 
-const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held FROM outbox._claim_shards($1, $2, $3)";
+const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded FROM outbox._claim_shards($1, $2, $3)";
 const READ_BATCH: &str =
     "SELECT shard, txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
-                          stream, created_at FROM outbox._read_batch($1, $2, $3::pg_snapshot, $4)";
+                          stream, created_at FROM outbox._read_batch($1, $2, $3::pg_snapshot[], $4)";
 const HELD_DUE: &str =
     "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
                         stream, created_at FROM outbox._held_due($1, $2, $3)";
@@ -82,6 +84,7 @@ const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
 const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6)";
 const REAP: &str = "SELECT outbox._reap_shards($1)";
+const RECORD_SNAPSHOT: &str = "SELECT outbox._record_snapshot($1)";
 const RETENTION: &str = "SELECT outbox._retention($1 * interval '1 second')";
 const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pending_age()) * 1000)::float8";
 
@@ -108,6 +111,8 @@ pub fn housekeeping(lease_ms: i32) -> Result<Option<Housekeeping>, String> {
         let reaped = Spi::get_one_with_args::<i64>(REAP, &[lease_ms.into()])?.unwrap_or(0);
         let oldest_pending_age =
             Spi::get_one::<f64>(OLDEST_PENDING_AGE_MS)?.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+        // While anything waits, the snapshots that bound a lagging shard's windows.
+        Spi::run_with_args(RECORD_SNAPSHOT, &[oldest_pending_age.is_some().into()])?;
         Ok(Some(Housekeeping { reaped, oldest_pending_age }))
     })
 }
@@ -194,8 +199,11 @@ struct Batch {
     diverted: HashSet<i64>,
     /// From the failure path, due now (aggregate_seq stored with them).
     held_due: Vec<OutboxEvent>,
-    /// The failure path has more due than a round takes: go again at once.
+    /// More is due than this round takes (the failure path's batch was full, or a lagging shard
+    /// read up to a recorded snapshot): go again at once.
     more: bool,
+    /// A shard read up to a recorded snapshot (it is more than a second behind).
+    catching_up: bool,
 }
 
 /// A row of outbox._read_batch: (shard, txid, then the event's columns). Its aggregate_seq is
@@ -247,9 +255,9 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
         Spi::connect_mut(|client| {
             let mut batch = Batch { installation, ..Batch::default() };
             let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
-            let mut upto = String::new();
             let mut held_any = false;
-            let mut claimed: Vec<(i16, String, i64)> = Vec::new();
+            // (shard, cursor, cursor age, what it reads up to, whether that is a recorded snapshot)
+            let mut claimed: Vec<(i16, String, i64, String, bool)> = Vec::new();
             for row in
                 client.update(CLAIM, None, &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()])?
             {
@@ -257,10 +265,12 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
                     row.get::<i16>(1)?.unwrap_or_default(),
                     row.get::<String>(2)?.unwrap_or_default(),
                     row.get::<i64>(3)?.unwrap_or_default(),
+                    // Now (taken after the claim: the reads below see every transaction it shows
+                    // as committed), or a recorded snapshot for a lagging shard: then more
+                    // follows at once.
+                    row.get::<String>(4)?.unwrap_or_default(),
+                    row.get::<bool>(6)?.unwrap_or(false),
                 ));
-                // Taken after the claim: what the batch reads up to; the reads below see every
-                // transaction it shows as committed.
-                upto = row.get::<String>(4)?.unwrap_or_default();
                 held_any = row.get::<bool>(5)?.unwrap_or(true);
             }
             if claimed.is_empty() {
@@ -275,13 +285,16 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             let limit = settings.batch_size.min(i32::MAX as usize) as i32;
             // Every shard's window at once, whole: a cut inside a window would break commit order.
             let reading: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
-            let cursors: Vec<String> = claimed.iter().map(|(_, cursor, _)| cursor.clone()).collect();
+            let cursors: Vec<String> = claimed.iter().map(|(_, cursor, ..)| cursor.clone()).collect();
+            let uptos: Vec<String> = claimed.iter().map(|(.., upto, _)| upto.clone()).collect();
+            batch.catching_up = claimed.iter().any(|(.., bounded)| *bounded);
+            batch.more |= batch.catching_up;
             let mut by_shard: HashMap<i16, Vec<OutboxEvent>> = HashMap::new();
             let rows = if reading.is_empty() {
                 Vec::new()
             } else {
                 client
-                    .update(READ_BATCH, None, &[reading.into(), cursors.into(), upto.as_str().into(), i32::MAX.into()])?
+                    .update(READ_BATCH, None, &[reading.into(), cursors.into(), uptos.into(), i32::MAX.into()])?
                     .collect::<Vec<_>>()
             };
             for row in rows {
@@ -289,10 +302,14 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
                 by_shard.entry(shard).or_default().push(log_event(&row)?);
             }
             let mut log = Vec::new();
-            for (shard, _, age_ms) in &claimed {
+            for (shard, _, age_ms, upto, bounded) in &claimed {
                 let events = by_shard.remove(shard).unwrap_or_default();
                 let next_cursor = upto.clone();
-                let advance = !events.is_empty() || (full && Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE);
+                // A lagging shard steps to its recorded snapshot even when that window is empty:
+                // its next window then starts from there.
+                let advance = !events.is_empty()
+                    || *bounded
+                    || (full && Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE);
                 batch.shards.push(ShardBatch { shard: *shard, next_cursor, advance });
                 log.extend(events);
             }
@@ -485,6 +502,18 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
                 return TickOutcome::DatabaseError(error);
             }
         }
+        if batch.more {
+            // A lagging shard stepped over an empty window; the next one follows at once.
+            return TickOutcome::Worked {
+                claimed: 0,
+                published: 0,
+                rejected: 0,
+                dead_lettered: 0,
+                last_rejection: None,
+                more: true,
+                catching_up: true,
+            };
+        }
         return TickOutcome::Idle;
     }
     claims::begin(settings.slot, claimed);
@@ -616,7 +645,15 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
         }
         Err(error) => return TickOutcome::DatabaseError(error),
     };
-    TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection, more: batch.more }
+    TickOutcome::Worked {
+        claimed,
+        published,
+        rejected,
+        dead_lettered,
+        last_rejection,
+        more: batch.more,
+        catching_up: batch.catching_up,
+    }
 }
 
 /// The most bytes of events one pipeline sends. Redis closes the connection of a client whose
