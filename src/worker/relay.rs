@@ -236,9 +236,10 @@ impl Relay {
         // A cut batch or a failure reads everything again next round; otherwise a full read once
         // per poll interval.
         match &outcome {
-            TickOutcome::Worked { more: true, .. } | TickOutcome::BrokerDown { .. } | TickOutcome::DatabaseError(_) => {
-                self.full_read_at = Instant::now()
-            }
+            TickOutcome::Worked { more: true, .. }
+            | TickOutcome::SteppedOver
+            | TickOutcome::BrokerDown { .. }
+            | TickOutcome::DatabaseError(_) => self.full_read_at = Instant::now(),
             _ if settings.full_read => self.full_read_at = Instant::now() + poll,
             _ => {}
         }
@@ -283,6 +284,11 @@ impl Relay {
                     }
                     Some(poll.min(until_housekeeping))
                 }
+            }
+            // Nothing was sent: not a sign that Redis is back, and no reason to wait.
+            TickOutcome::SteppedOver => {
+                self.note_catching_up(true);
+                None
             }
             TickOutcome::Idle => {
                 self.recovered();
@@ -543,6 +549,7 @@ fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
     let events = match outcome {
         TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
         TickOutcome::Idle => "nothing pending".to_string(),
+        TickOutcome::SteppedOver => "a lagging shard stepped over an empty window".to_string(),
         TickOutcome::BrokerDown { .. }
         | TickOutcome::ExtensionMissing
         | TickOutcome::ExtensionOutdated { .. }

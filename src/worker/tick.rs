@@ -59,6 +59,10 @@ pub enum TickOutcome {
     },
     /// Nothing was waiting.
     Idle,
+    /// A lagging shard's window up to its next recorded snapshot was empty: its cursor stepped
+    /// over it without sending anything (so this says nothing about Redis); the next round follows
+    /// at once.
+    SteppedOver,
     /// The extension is not installed in the relay's database (yet, or any more).
     ExtensionMissing,
     /// The database has another version of the extension than this library (a new library was
@@ -101,8 +105,8 @@ pub struct Housekeeping {
     pub oldest_pending_age: Option<Duration>,
 }
 
-/// Frees the shards of relays that exited or hang, and measures the oldest pending event, in one
-/// short transaction. `Ok(None)` when the extension is not installed at this library's version.
+/// Frees the shards of relays that exited or hang, measures the oldest pending event, and keeps the
+/// recorded snapshots that bound a lagging shard's windows, in one short transaction. `Ok(None)` when the extension is not installed at this library's version.
 pub fn housekeeping(lease_ms: i32) -> Result<Option<Housekeeping>, String> {
     txn::run(move || -> Result<Option<Housekeeping>, pgrx::spi::Error> {
         if !matches!(readiness()?, Readiness::Ready(_)) {
@@ -241,7 +245,8 @@ fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::sp
 }
 
 /// Claims this relay's shards and reads a round: each shard's whole window (every event committed
-/// between its cursor and the claim's snapshot; see "Why a window is read whole" in
+/// between its cursor and the claim's snapshot, or, for a shard more than a second behind, the
+/// next recorded snapshot; see "Why a window is read whole" and "Catching up" in
 /// docs/worker.md), the failure path's due events, and what the batch's
 /// aggregates need (counters, whether they have events waiting on the failure path). Writes only
 /// when shards change hands. `Err(readiness)` when the extension is missing or at another version.
@@ -502,17 +507,8 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
                 return TickOutcome::DatabaseError(error);
             }
         }
-        if batch.more {
-            // A lagging shard stepped over an empty window; the next one follows at once.
-            return TickOutcome::Worked {
-                claimed: 0,
-                published: 0,
-                rejected: 0,
-                dead_lettered: 0,
-                last_rejection: None,
-                more: true,
-                catching_up: true,
-            };
+        if batch.catching_up {
+            return TickOutcome::SteppedOver;
         }
         return TickOutcome::Idle;
     }
