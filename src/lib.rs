@@ -33,6 +33,12 @@ mod worker;
 
 pub use entry::{render_stream_template, OutboxEvent};
 
+// PostgreSQL 15 is supported; 16 and 17 are tried by the GitHub workflow. pgrx declares every
+// version's feature, but 13 and 14 are not built or tested: refuse them rather than ship an
+// untested library (README, "Installing").
+#[cfg(any(feature = "pg13", feature = "pg14"))]
+compile_error!("outbox_pg supports PostgreSQL 15 (16 and 17 experimental); PostgreSQL 13 and 14 are not supported");
+
 ::pgrx::pg_module_magic!();
 
 extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
