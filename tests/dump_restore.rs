@@ -5,21 +5,7 @@
 
 mod common;
 
-use common::{pg_command, run, status_counts, wait_for, Cluster, Env, Redis, DEADLINE};
-
-fn enqueue(client: &mut postgres::Client, aggregate_type: &str, aggregate_id: &str, stream: Option<&str>) -> String {
-    client
-        .query_one(
-            "SELECT outbox_enqueue($1, $2, 'test.event', '{}'::jsonb, NULL, $3)::text",
-            &[&aggregate_type, &aggregate_id, &stream],
-        )
-        .unwrap()
-        .get(0)
-}
-
-fn status_of(client: &mut postgres::Client, event_id: &str) -> String {
-    client.query_one("SELECT status FROM outbox.messages WHERE event_id = $1::text::uuid", &[&event_id]).unwrap().get(0)
-}
+use common::{enqueue_to, pg_command, run, status_counts, status_of, wait_for, Cluster, Env, Redis, DEADLINE};
 
 #[test]
 fn a_restored_dump_delivers_its_undelivered_events_and_nothing_else() {
@@ -32,13 +18,13 @@ fn a_restored_dump_delivers_its_undelivered_events_and_nothing_else() {
         .unwrap();
 
     // Published: three events of payment 1.
-    let published: Vec<String> = (0..3).map(|_| enqueue(&mut client, "payment", "1", None)).collect();
+    let published: Vec<String> = (0..3).map(|_| enqueue_to(&mut client, "payment", "1", None)).collect();
     old.redis.wait_for_entries("outbox:payment", 3);
     // Failed: an event whose stream key is not a stream (max_attempts 1), and its aggregate's next
     // event waiting behind it.
     redis::cmd("SET").arg("poisoned").arg("not a stream").query::<()>(&mut old.redis.connection()).unwrap();
-    let poison = enqueue(&mut client, "refund", "7", Some("poisoned"));
-    let behind_poison = enqueue(&mut client, "refund", "7", None);
+    let poison = enqueue_to(&mut client, "refund", "7", Some("poisoned"));
+    let behind_poison = enqueue_to(&mut client, "refund", "7", None);
     wait_for(DEADLINE, "the poison event to fail", || (status_of(&mut client, &poison) == "failed").then_some(()));
     for id in &published {
         wait_for(DEADLINE, "the published events to show published", || {
@@ -52,9 +38,9 @@ fn a_restored_dump_delivers_its_undelivered_events_and_nothing_else() {
         old.pg.log().contains("outbox.enabled is off").then_some(())
     });
     let undelivered: Vec<String> = vec![
-        enqueue(&mut client, "payment", "1", None),
-        enqueue(&mut client, "payment", "2", None),
-        enqueue(&mut client, "payment", "1", None),
+        enqueue_to(&mut client, "payment", "1", None),
+        enqueue_to(&mut client, "payment", "2", None),
+        enqueue_to(&mut client, "payment", "1", None),
     ];
     let before = status_counts(&mut client);
     assert_eq!(before.get("pending"), Some(&4), "{before:?}"); // three undelivered + the one behind the poison
@@ -103,7 +89,7 @@ fn a_restored_dump_delivers_its_undelivered_events_and_nothing_else() {
     assert_eq!(failed, 1);
 
     // New events after the restore are published, numbering continues.
-    let after = enqueue(&mut app, "payment", "1", None);
+    let after = enqueue_to(&mut app, "payment", "1", None);
     let entries = redis.wait_for_entries("outbox:payment", 4);
     assert_eq!(entries[3]["event_id"], after);
     assert_eq!(entries[3]["aggregate_seq"], "6");

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::Env;
+use common::{pg_config, Env};
 
 const CLI_PKG: &str = "outbox-consume";
 
@@ -32,11 +32,6 @@ fn run(cmd: &mut Command, what: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     stdout
-}
-
-fn pg_config(option: &str) -> PathBuf {
-    let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into());
-    PathBuf::from(run(Command::new(pg_config).arg(option), "pg_config").trim())
 }
 
 fn installed(package: &str) -> bool {

@@ -17,7 +17,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{run, status_counts, wait_for, Cluster, Redis, DEADLINE};
+use common::{enqueue_to, pg_config, run, status_counts, status_of, wait_for, Cluster, Redis, DEADLINE};
 
 const CURRENT: &str = env!("CARGO_PKG_VERSION");
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
@@ -34,12 +34,6 @@ fn previous_release() -> (String, String) {
         })
         .rfind(|(version, _)| version != CURRENT)
         .expect("sql/releases names no earlier release")
-}
-
-fn pg_config(flag: &str) -> PathBuf {
-    let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into());
-    let out = Command::new(&pg_config).arg(flag).output().expect("pg_config");
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
 fn git(args: &[&str]) -> Command {
@@ -162,20 +156,6 @@ impl Drop for InstalledFiles {
     }
 }
 
-fn enqueue(client: &mut postgres::Client, aggregate_type: &str, aggregate_id: &str, stream: Option<&str>) -> String {
-    client
-        .query_one(
-            "SELECT outbox_enqueue($1, $2, 'test.event', '{}'::jsonb, NULL, $3)::text",
-            &[&aggregate_type, &aggregate_id, &stream],
-        )
-        .unwrap()
-        .get(0)
-}
-
-fn status_of(client: &mut postgres::Client, event_id: &str) -> String {
-    client.query_one("SELECT status FROM outbox.messages WHERE event_id = $1::text::uuid", &[&event_id]).unwrap().get(0)
-}
-
 fn relays(client: &mut postgres::Client) -> i64 {
     client
         .query_one("SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'", &[])
@@ -256,11 +236,11 @@ fn an_update_from_the_previous_release_keeps_every_event_and_setting() {
     assert_eq!(extension_version(&mut client), previous);
 
     // Published, failed (with its aggregate's next event waiting behind it), undelivered.
-    let published: Vec<String> = (0..3).map(|_| enqueue(&mut client, "payment", "1", None)).collect();
+    let published: Vec<String> = (0..3).map(|_| enqueue_to(&mut client, "payment", "1", None)).collect();
     redis.wait_for_entries("outbox:payment", 3);
     redis::cmd("SET").arg("poisoned").arg("not a stream").query::<()>(&mut redis.connection()).unwrap();
-    let poison = enqueue(&mut client, "refund", "7", Some("poisoned"));
-    let behind_poison = enqueue(&mut client, "refund", "7", None);
+    let poison = enqueue_to(&mut client, "refund", "7", Some("poisoned"));
+    let behind_poison = enqueue_to(&mut client, "refund", "7", None);
     wait_for(DEADLINE, "the poison event to fail", || (status_of(&mut client, &poison) == "failed").then_some(()));
     for id in &published {
         wait_for(DEADLINE, "the published events to show published", || {
@@ -270,9 +250,9 @@ fn an_update_from_the_previous_release_keeps_every_event_and_setting() {
     wait_for(DEADLINE, "two relays", || (relays(&mut client) == 2).then_some(()));
     redis.kill();
     let undelivered = [
-        enqueue(&mut client, "payment", "1", None),
-        enqueue(&mut client, "payment", "2", None),
-        enqueue(&mut client, "payment", "1", None),
+        enqueue_to(&mut client, "payment", "1", None),
+        enqueue_to(&mut client, "payment", "2", None),
+        enqueue_to(&mut client, "payment", "1", None),
     ];
     assert_eq!(status_counts(&mut client).get("pending"), Some(&4));
     drop(client);
@@ -318,7 +298,7 @@ fn an_update_from_the_previous_release_keeps_every_event_and_setting() {
     assert_eq!(client.query_one("SELECT outbox.retry_failed()", &[]).unwrap().get::<_, i64>(0), 1);
     assert_eq!(redis.wait_for_entries("poisoned", 1)[0]["event_id"], poison);
     assert_eq!(redis.wait_for_entries("outbox:refund", 1)[0]["event_id"], behind_poison);
-    let after = enqueue(&mut client, "payment", "1", None);
+    let after = enqueue_to(&mut client, "payment", "1", None);
     assert_eq!(redis.wait_for_entries("outbox:payment", 4)[3]["aggregate_seq"], "6");
     assert_eq!(redis.entries("outbox:payment")[3]["event_id"], after);
     assert_eq!(redis.total_entries(), 6, "nothing published twice");

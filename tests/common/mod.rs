@@ -44,10 +44,16 @@ fn running_as_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-fn pg_bindir() -> PathBuf {
+/// A directory of the installed PostgreSQL (`--bindir`, `--pkglibdir`, `--sharedir`), from
+/// $PG_CONFIG or PostgreSQL 15's pg_config.
+pub fn pg_config(flag: &str) -> PathBuf {
     let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into());
-    let out = Command::new(&pg_config).arg("--bindir").output().expect("pg_config");
+    let out = Command::new(&pg_config).arg(flag).output().expect("pg_config");
     PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+}
+
+fn pg_bindir() -> PathBuf {
+    pg_config("--bindir")
 }
 
 /// A PostgreSQL client program (pg_dump, pg_restore, psql) of the installed server's version.
@@ -56,9 +62,7 @@ pub fn pg_command(program: &str) -> Command {
 }
 
 fn pg_libdir() -> PathBuf {
-    let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into());
-    let out = Command::new(&pg_config).arg("--pkglibdir").output().expect("pg_config");
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    pg_config("--pkglibdir")
 }
 
 /// A command run as the server's OS user.
@@ -371,6 +375,27 @@ impl Env {
         pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
         Env { redis, pg }
     }
+}
+
+/// Enqueues an event with an empty payload, to `stream` or the template's; returns its event_id.
+pub fn enqueue_to(
+    client: &mut postgres::Client,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    stream: Option<&str>,
+) -> String {
+    client
+        .query_one(
+            "SELECT outbox_enqueue($1, $2, 'test.event', '{}'::jsonb, NULL, $3)::text",
+            &[&aggregate_type, &aggregate_id, &stream],
+        )
+        .unwrap()
+        .get(0)
+}
+
+/// The status outbox.messages gives an event.
+pub fn status_of(client: &mut postgres::Client, event_id: &str) -> String {
+    client.query_one("SELECT status FROM outbox.messages WHERE event_id = $1::text::uuid", &[&event_id]).unwrap().get(0)
 }
 
 /// Counts rows of outbox.messages by status.
