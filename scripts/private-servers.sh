@@ -35,7 +35,6 @@ start_private_servers() {
     echo "listen_addresses = '127.0.0.1'"
     echo "unix_socket_directories = '$SERVERS_DIR'"
     echo "shared_preload_libraries = 'outbox_pg'"
-    echo "outbox.database = 'postgres'"
     echo "outbox.redis_url = 'redis://127.0.0.1:$REDIS_PORT'"
     for line in "$@"; do echo "$line"; done
   } >> "$SERVERS_DIR/data/postgresql.conf"

@@ -33,20 +33,27 @@ mod outbox {
             .set_hint("Add outbox_pg to shared_preload_libraries in postgresql.conf and restart PostgreSQL.")
             .report(PgLogLevel::ERROR);
         }
-        let relayed = guc::database();
-        let here = current_database();
-        if here != relayed {
-            ErrorReport::new(
-                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
-                format!(
-                    "outbox_pg relays database \"{relayed}\" (outbox.database), not \"{here}\", so no relay would deliver this event"
-                ),
-                "outbox_enqueue",
-            )
-            .set_hint(format!(
-                "Enqueue in database \"{relayed}\", or set outbox.database = '{here}' in postgresql.conf and restart PostgreSQL."
-            ))
-            .report(PgLogLevel::ERROR);
+        if let Some(relayed) = guc::databases() {
+            let here = current_database();
+            if !relayed.contains(&here) {
+                let (setting, list) = if guc::databases_listed() {
+                    ("outbox.databases", relayed.join(", "))
+                } else {
+                    ("outbox.database", relayed.join(""))
+                };
+                ErrorReport::new(
+                    PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                    format!(
+                        "outbox_pg relays only database \"{}\" ({setting}), not \"{here}\", so no relay would deliver this event",
+                        relayed.join("\", \"")
+                    ),
+                    "outbox_enqueue",
+                )
+                .set_hint(format!(
+                    "Enqueue in a relayed database, or add \"{here}\" to outbox.databases (currently '{list}') in postgresql.conf and reload; an empty outbox.databases relays every database with outbox_pg."
+                ))
+                .report(PgLogLevel::ERROR);
+            }
         }
         let patterns = guc::allowed_streams();
         if !crate::streams::allows_every_stream(&patterns) {

@@ -1,6 +1,9 @@
 //! Every `outbox.*` setting: the statics PostgreSQL writes into, their registration, and typed
-//! accessors. Settings read only by the worker are `SIGHUP` (or `POSTMASTER` when they shape
-//! worker registration); settings that may hold a secret are `SUPERUSER_ONLY` and never logged.
+//! accessors. Settings the relays read are `SUSET`, so that each database can have its own with
+//! `ALTER DATABASE ... SET` (a relay starts again when its database's settings change); those the
+//! launcher reads for all databases (`outbox.databases`, `outbox.workers`) are `SIGHUP`, or
+//! `POSTMASTER` when they shape worker registration. Settings that may hold a secret are
+//! `SUPERUSER_ONLY` and never logged.
 
 use std::ffi::CString;
 use std::os::raw::c_char;
@@ -26,11 +29,40 @@ static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CStr
 static REDIS_TLS_CERT_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static REDIS_TLS_KEY_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
+/// How the relay finds where to write: one node, a master through Sentinel, or a Cluster.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum RedisMode {
+    /// `outbox.redis_url` is the one node.
+    #[name = c"standalone"]
+    Standalone,
+    /// `outbox.redis_url` lists the sentinels; they name the master `outbox.redis_sentinel_master`.
+    #[name = c"sentinel"]
+    Sentinel,
+    /// `outbox.redis_url` lists seed nodes of a Redis Cluster.
+    #[name = c"cluster"]
+    Cluster,
+}
+
+/// `outbox.redis_mode` (default `standalone`, reload).
+static REDIS_MODE: GucSetting<RedisMode> = GucSetting::<RedisMode>::new(RedisMode::Standalone);
+
+/// `outbox.redis_sentinel_master` (default empty, reload): the master's name in Sentinel mode.
+static REDIS_SENTINEL_MASTER: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+/// `outbox.redis_wait_replicas` (default 0, reload): replicas that must acknowledge a batch
+/// (`WAIT`) before it counts as published, so that a failover cannot lose it.
+static REDIS_WAIT_REPLICAS: GucSetting<i32> = GucSetting::<i32>::new(0);
+
 /// `outbox.redis_timeout` (default 5s, reload): connect, read and write timeout towards Redis.
 static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
 
-/// `outbox.database` (default `postgres`, restart): the database whose outbox the relay drains.
-static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+/// `outbox.databases` (default empty = every database that has the extension, reload): the
+/// databases the launcher may relay, comma-separated names.
+static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+/// `outbox.database` (retired, restart): 0.1's single relayed database. Still honoured while
+/// `outbox.databases` is empty, as if it listed this one database, with a LOG line saying so.
+static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 /// `outbox.workers` (default 1, reload): relay workers sharing the load. Per-aggregate order holds
 /// across them (ordered claims); each commit wakes them all.
@@ -132,9 +164,9 @@ pub fn init(preloading: bool) {
             c"May contain a password: shown only masked, and left out of pg_settings. \
               Prefer outbox.redis_password_file for the password.",
             &REDIS_URL,
-            GucContext::Sighup,
+            GucContext::Suset,
             GucFlags::SUPERUSER_ONLY | GucFlags::NO_SHOW_ALL,
-            None,
+            Some(check_redis_url),
             None,
             Some(show_redis_url),
         );
@@ -156,7 +188,7 @@ pub fn init(preloading: bool) {
         c"File holding the Redis password (overrides one in outbox.redis_url).",
         c"Read at every connect; keeps the password out of settings and logs.",
         &REDIS_PASSWORD_FILE,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::SUPERUSER_ONLY,
     );
     for (name, short, setting) in [
@@ -181,10 +213,36 @@ pub fn init(preloading: bool) {
             short,
             c"Read at every connect; the server's certificate is always verified.",
             setting,
-            GucContext::Sighup,
+            GucContext::Suset,
             GucFlags::SUPERUSER_ONLY,
         );
     }
+    GucRegistry::define_enum_guc(
+        c"outbox.redis_mode",
+        c"How outbox.redis_url is read: standalone (one node), sentinel (the sentinels) or cluster (seed nodes).",
+        c"With sentinel, the relay asks the sentinels for outbox.redis_sentinel_master at every connect; with cluster, it routes each stream key to its slot's master.",
+        &REDIS_MODE,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.redis_sentinel_master",
+        c"Name of the master the sentinels monitor (outbox.redis_mode = sentinel).",
+        c"",
+        &REDIS_SENTINEL_MASTER,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.redis_wait_replicas",
+        c"Replicas that must acknowledge each batch (Redis WAIT) before it counts as published.",
+        c"0 (default): a batch counts once the master has it, and a failover can lose what the replica had not received yet. 1 or more: a failover to an acknowledged replica loses nothing; fewer replicas in time is a Redis failure, retried.",
+        &REDIS_WAIT_REPLICAS,
+        0,
+        16,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
     GucRegistry::define_int_guc(
         c"outbox.redis_timeout",
         c"Connect, read and write timeout for Redis.",
@@ -192,19 +250,27 @@ pub fn init(preloading: bool) {
         &REDIS_TIMEOUT_MS,
         10,
         600_000,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_MS,
     );
     if preloading {
         GucRegistry::define_string_guc(
             c"outbox.database",
-            c"Database whose outbox the relay worker drains.",
+            c"Retired: use outbox.databases. If set while outbox.databases is empty, only this database is relayed.",
             c"Takes effect at server start.",
             &DATABASE,
             GucContext::Postmaster,
             GucFlags::empty(),
         );
     }
+    GucRegistry::define_string_guc(
+        c"outbox.databases",
+        c"Comma-separated databases whose outboxes are relayed; empty: every database where outbox_pg is installed.",
+        c"Each relayed database gets outbox.workers relays, each in a max_worker_processes slot.",
+        &DATABASES,
+        GucContext::Sighup,
+        GucFlags::empty(),
+    );
     GucRegistry::define_int_guc(
         c"outbox.workers",
         c"Number of relay workers sharing the load.",
@@ -222,7 +288,7 @@ pub fn init(preloading: bool) {
         &BATCH_SIZE,
         1,
         10_000,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
@@ -232,7 +298,7 @@ pub fn init(preloading: bool) {
         &POLL_INTERVAL_MS,
         10,
         3_600_000,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_string_guc(
@@ -240,7 +306,7 @@ pub fn init(preloading: bool) {
         c"Stream key template for events enqueued without a stream.",
         c"{aggregate_type} and {event_type} are replaced by the event's values.",
         &STREAM_TEMPLATE,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
@@ -250,7 +316,7 @@ pub fn init(preloading: bool) {
         &STREAM_MAXLEN,
         0,
         i32::MAX,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
@@ -270,7 +336,7 @@ pub fn init(preloading: bool) {
         &LEASE_MS,
         1_000,
         86_400_000,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_enum_guc(
@@ -278,7 +344,7 @@ pub fn init(preloading: bool) {
         c"Per-aggregate ordering of deliveries: aggregate (wait for earlier events) or none.",
         c"With aggregate, a failed event holds back the later events of its aggregate until it is retried or skipped.",
         &ORDERING,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
@@ -288,7 +354,7 @@ pub fn init(preloading: bool) {
         &MAX_ATTEMPTS,
         1,
         1_000_000,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::empty(),
     );
     GucRegistry::define_int_guc(
@@ -298,7 +364,7 @@ pub fn init(preloading: bool) {
         &RETRY_DELAY_MS,
         1,
         300_000,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_int_guc(
@@ -308,7 +374,7 @@ pub fn init(preloading: bool) {
         &RETENTION_S,
         0,
         i32::MAX,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_S,
     );
     GucRegistry::define_int_guc(
@@ -318,7 +384,7 @@ pub fn init(preloading: bool) {
         &ALERT_AGE_S,
         0,
         i32::MAX,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_S,
     );
     GucRegistry::define_int_guc(
@@ -328,7 +394,7 @@ pub fn init(preloading: bool) {
         &LOG_MIN_DURATION_MS,
         -1,
         i32::MAX,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_enum_guc(
@@ -344,7 +410,7 @@ pub fn init(preloading: bool) {
         c"Whether the relay publishes; off pauses it while enqueue keeps working.",
         c"",
         &ENABLED,
-        GucContext::Sighup,
+        GucContext::Suset,
         GucFlags::empty(),
     );
     // SAFETY: called from _PG_init with a valid, static, NUL-terminated prefix.
@@ -376,12 +442,80 @@ pub fn redis_tls_key_file() -> Option<String> {
     Some(string_of(&REDIS_TLS_KEY_FILE)).filter(|path| !path.is_empty())
 }
 
+pub fn redis_mode() -> RedisMode {
+    REDIS_MODE.get()
+}
+
+pub fn redis_sentinel_master() -> String {
+    string_of(&REDIS_SENTINEL_MASTER)
+}
+
+pub fn redis_wait_replicas() -> u32 {
+    REDIS_WAIT_REPLICAS.get().max(0) as u32
+}
+
 pub fn redis_timeout() -> Duration {
     Duration::from_millis(REDIS_TIMEOUT_MS.get().max(1) as u64)
 }
 
-pub fn database() -> String {
+/// The databases the launcher may relay, `None` meaning every database with the extension:
+/// `outbox.databases`, or else the retired `outbox.database`.
+pub fn databases() -> Option<Vec<String>> {
+    let listed = parse_database_list(&string_of(&DATABASES));
+    if !listed.is_empty() {
+        return Some(listed);
+    }
+    Some(retired_database()).filter(|name| !name.is_empty()).map(|name| vec![name])
+}
+
+/// Whether `outbox.databases` lists databases (rather than the retired `outbox.database`, or none).
+pub fn databases_listed() -> bool {
+    !parse_database_list(&string_of(&DATABASES)).is_empty()
+}
+
+/// `outbox.database`, if set (retired).
+pub fn retired_database() -> String {
     string_of(&DATABASE)
+}
+
+/// Splits `a, b,"c d"` into names: commas separate, blanks around names are dropped, double quotes
+/// keep a name's commas and blanks (as identifiers are quoted).
+pub fn parse_database_list(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut current = String::new();
+    let mut quoted = false;
+    let mut was_quoted = false;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted && chars.peek() == Some(&'"') => {
+                current.push('"');
+                chars.next();
+            }
+            '"' => {
+                if !quoted && current.trim().is_empty() {
+                    current.clear();
+                }
+                quoted = !quoted;
+                was_quoted = true;
+            }
+            ',' if !quoted => {
+                let name = if was_quoted { current.clone() } else { current.trim().to_string() };
+                if !name.is_empty() {
+                    names.push(name);
+                }
+                current.clear();
+                was_quoted = false;
+            }
+            c if !quoted && was_quoted && c.is_whitespace() => {}
+            c => current.push(c),
+        }
+    }
+    let name = if was_quoted { current } else { current.trim().to_string() };
+    if !name.is_empty() {
+        names.push(name);
+    }
+    names
 }
 
 pub fn workers() -> usize {
@@ -471,6 +605,51 @@ unsafe extern "C-unwind" fn show_redis_url() -> *const c_char {
     })
 }
 
+/// Refuses an `outbox.redis_url` that carries a password when it comes from the catalog
+/// (`ALTER DATABASE ... SET`, `ALTER ROLE ... SET`, a function's `SET` clause): those values are
+/// stored in `pg_db_role_setting` and `pg_proc`, which every role can read. The password then
+/// belongs in `outbox.redis_password_file`, which may be set per database too.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_redis_url(
+    newval: *mut *mut c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    source: pg_sys::GucSource::Type,
+) -> bool {
+    let from_catalog = matches!(
+        source,
+        pg_sys::GucSource::PGC_S_TEST
+            | pg_sys::GucSource::PGC_S_DATABASE
+            | pg_sys::GucSource::PGC_S_USER
+            | pg_sys::GucSource::PGC_S_DATABASE_USER
+    );
+    if !from_catalog {
+        return true;
+    }
+    // SAFETY: PostgreSQL passes a valid pointer to the proposed value (a C string or NULL).
+    let value = unsafe {
+        let value = *newval;
+        if value.is_null() {
+            return true;
+        }
+        std::ffi::CStr::from_ptr(value).to_string_lossy().into_owned()
+    };
+    if !crate::sink::address::has_password(&value) {
+        return true;
+    }
+    // SAFETY: as in check_allowed_streams: palloc'd copies of static strings.
+    unsafe {
+        pg_sys::GUC_check_errmsg_string = pg_sys::pstrdup(
+            c"outbox.redis_url may not carry a password when set with ALTER DATABASE, ALTER ROLE or a function's SET clause: every role can read those settings"
+                .as_ptr(),
+        );
+        pg_sys::GUC_check_errhint_string = pg_sys::pstrdup(
+            c"Leave the password out of the URL and set outbox.redis_password_file (per database too), or set the URL in postgresql.conf."
+                .as_ptr(),
+        );
+    }
+    false
+}
+
 /// Refuses an `outbox.allowed_streams` that does not parse (an empty pattern, a trailing `\`),
 /// with the reason as the error's detail.
 #[pgrx::pg_guard]
@@ -496,5 +675,17 @@ unsafe extern "C-unwind" fn check_allowed_streams(
             unsafe { pg_sys::GUC_check_errdetail_string = pg_sys::pstrdup(detail.as_ptr()) };
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_database_list;
+
+    #[test]
+    fn database_lists_split_on_commas_and_honour_quotes() {
+        assert_eq!(parse_database_list(""), Vec::<String>::new());
+        assert_eq!(parse_database_list(" app , billing,,"), vec!["app", "billing"]);
+        assert_eq!(parse_database_list(r#"app, "Sales, EU" ,"say ""hi""""#), vec!["app", "Sales, EU", r#"say "hi""#]);
     }
 }

@@ -8,7 +8,8 @@
 //! - `order`: the shard of an aggregate, and the order lock that makes id order commit order.
 //! - `claims`: what each relay has in flight (shared memory), for the stats.
 //! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
-//! - `dropdb`: relays step aside when their database is dropped.
+//! - `object_access`: created extensions and databases wake the launcher; relays step aside when
+//!   their database is dropped.
 //! - `logredact`: Redis credentials masked in every server log line.
 //! - `worker`: the launcher and relay background workers.
 //! - `sink`: the only code that speaks to Redis; `entry`: a row as a stream entry.
@@ -20,10 +21,10 @@ use pgrx::prelude::*;
 
 mod api;
 mod claims;
-mod dropdb;
 mod entry;
 mod guc;
 mod logredact;
+mod object_access;
 mod order;
 mod shmem;
 mod sink;
@@ -77,7 +78,7 @@ pub extern "C-unwind" fn _PG_init() {
     shmem::init();
     claims::init();
     wake::init();
-    dropdb::init();
+    object_access::init();
     worker::launcher::register();
     PRELOADED.store(true, Ordering::Relaxed);
 }
@@ -100,7 +101,7 @@ pub mod pg_test {
     pub fn postgresql_conf_options() -> Vec<&'static str> {
         vec![
             "shared_preload_libraries = 'outbox_pg'",
-            "outbox.database = 'pgrx_tests'",
+            "outbox.databases = 'pgrx_tests'",
             "outbox.redis_url = 'redis://127.0.0.1:1'",
         ]
     }

@@ -12,6 +12,13 @@ thread_local! {
     /// The shards the current transaction enqueued into (one bit per shard), 0 if none; cleared at
     /// every transaction end.
     static ENQUEUED_IN_XACT: Cell<u32> = const { Cell::new(0) };
+    /// Whether the current transaction created an extension or a database (src/object_access.rs).
+    static RESCAN_AT_COMMIT: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Asks the launcher, if the current transaction commits, to look for new relayed databases.
+pub fn rescan_at_commit() {
+    RESCAN_AT_COMMIT.with(|rescan| rescan.set(true));
 }
 
 /// Registers the transaction callback for this process (inherited by every backend when done in
@@ -33,6 +40,9 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     match event {
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             crate::order::transaction_ended();
+            if RESCAN_AT_COMMIT.with(|rescan| rescan.replace(false)) {
+                shmem::request_rescan();
+            }
             let shards = ENQUEUED_IN_XACT.with(|armed| armed.replace(0));
             if shards != 0 {
                 // After the commit is visible: a relay that takes these bits and then a snapshot
@@ -48,6 +58,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
             crate::order::transaction_ended();
             ENQUEUED_IN_XACT.with(|armed| armed.set(0));
+            RESCAN_AT_COMMIT.with(|rescan| rescan.set(false));
         }
         _ => {}
     }

@@ -289,15 +289,15 @@ fn a_redis_acl_that_denies_one_key_holds_back_only_its_event_and_one_that_denies
 
 #[test]
 fn enqueue_is_refused_where_no_relay_runs_and_each_database_reports_its_own_relay() {
-    let env = Env::start(&[]);
+    let env = Env::start(&["outbox.databases = 'postgres'"]);
     let mut relayed = env.pg.connect();
     relayed.batch_execute("CREATE DATABASE other").unwrap();
     let mut other = env.pg.connect_to("other");
     other.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
     let (code, message) = error_of(&mut other, "SELECT outbox_enqueue('x', 1, 'e', '{}')");
     assert_eq!(code, "55000", "{message}");
-    assert!(message.contains("relays database \"postgres\" (outbox.database), not \"other\""), "{message}");
-    assert!(message.contains("set outbox.database = 'other'"), "{message}");
+    assert!(message.contains("relays only database \"postgres\" (outbox.databases), not \"other\""), "{message}");
+    assert!(message.contains("add \"other\" to outbox.databases (currently 'postgres')"), "{message}");
     assert_eq!(count(&mut other, "SELECT count(*) FROM outbox.messages"), 0);
     let there: String = other
         .query_one(
@@ -326,6 +326,12 @@ fn drop_database_of_the_relayed_database_works_and_the_relay_comes_back() {
     let mut app = pg.connect_to("app");
     app.batch_execute("CREATE EXTENSION outbox_pg; SELECT outbox_enqueue('a', 1, 'e', '{}')").unwrap();
     redis.wait_for_entries("outbox:a", 1);
+    // The retired setting still works, and says it is retired.
+    assert!(
+        pg.log().contains("relaying only \"app\" because outbox.database is set; that setting is retired"),
+        "{}",
+        pg.log()
+    );
 
     // With a client still connected the drop fails, and counts that client only: the relay
     // stepped aside. It comes back and delivers.

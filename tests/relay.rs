@@ -373,15 +373,16 @@ fn relay_shows_in_pg_stat_activity_and_restarts_after_termination() {
 #[test]
 fn relay_waits_for_database_and_extension_then_survives_drops() {
     let redis = Redis::start();
-    let pg = Cluster::start(redis.port, &["outbox.database = 'appdb'", "outbox.poll_interval = '200ms'"]);
+    let pg = Cluster::start(redis.port, &["outbox.databases = 'appdb'", "outbox.poll_interval = '200ms'"]);
     let mut admin = pg.connect();
     wait_for(DEADLINE, "the launcher to report the missing database", || {
-        pg.log().contains("database \"appdb\" (outbox.database) does not exist").then_some(())
+        pg.log().contains("database \"appdb\" does not exist; its relays start when it is created").then_some(())
     });
     admin.batch_execute("CREATE DATABASE appdb").unwrap();
-    pg.relay_pid(&mut admin);
     wait_for(DEADLINE, "the relay to report the missing extension", || {
-        pg.log().contains("is not installed in database \"appdb\"").then_some(())
+        pg.log()
+            .contains("extension outbox_pg is not installed in database \"appdb\", which outbox.databases names")
+            .then_some(())
     });
     let mut app = pg.connect_to("appdb");
     app.batch_execute("CREATE EXTENSION outbox_pg").unwrap();

@@ -1,8 +1,10 @@
-//! The relay worker: connected to `outbox.database`, it runs rounds (`tick`) while there is work,
+//! The relay worker: connected to one relayed database, it runs rounds (`tick`) while there is work,
 //! sleeps on its latch (woken by committing enqueuers, or by the poll interval) when there is none,
 //! and backs off when Redis or the database fails. Between rounds it does the housekeeping: return
 //! expired claims, watch the oldest pending event's age, delete expired published events. Started
-//! and restarted by the launcher.
+//! and restarted by the launcher; it exits when outbox_pg is not (or no longer) installed in its
+//! database, which tells the launcher to leave that database alone, and when its database's own
+//! settings (`ALTER DATABASE ... SET outbox.*`) change, so that the launcher starts it with them.
 
 use std::time::{Duration, Instant};
 
@@ -11,10 +13,11 @@ use pgrx::prelude::*;
 
 use crate::claims;
 use crate::guc::{self, FaultInjection};
-use crate::shmem;
+use crate::shmem::{self, ExtensionState};
 use crate::sink::redis::{RedisConfig, RedisSink, TlsFiles};
 use crate::worker::backoff::Backoff;
 use crate::worker::tick::{self, RoundTimings, TickOutcome, TickSettings};
+use crate::worker::txn;
 
 /// Delay of the first retry after Redis or the database failed; doubles up to `BACKOFF_CAP`.
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
@@ -35,7 +38,6 @@ const COALESCE_WINDOW: Duration = Duration::from_micros(500);
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Health {
     Healthy,
-    ExtensionMissing,
     /// The database's extension version (the library's is tick::LIBRARY_VERSION).
     ExtensionOutdated(String),
     BrokerDown(String),
@@ -63,6 +65,13 @@ struct Relay {
     full_read_at: Instant,
     /// Whether the last round read a lagging shard up to a recorded snapshot (logged on change).
     catching_up: bool,
+    /// Whether this relay has seen the extension installed (it logs its start then, so that the
+    /// probe of a database without outbox_pg logs nothing).
+    found_extension: bool,
+    /// Set when the relay must exit: its database has no outbox_pg (any more).
+    exit: bool,
+    /// The database's and role's own settings (pg_db_role_setting) the relay started with.
+    own_settings: String,
 }
 
 #[pg_guard]
@@ -72,6 +81,12 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     let database_oid = pg_sys::Oid::from(arg.value() as u32);
     let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shmem::MAX_RELAYS - 1);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
+    // Until attach_signal_handlers ran, PostgreSQL's worker start-up ignored SIGHUP: a reload the
+    // postmaster signalled in that window is lost. Reading the configuration once now catches it.
+    // SAFETY: the documented way for a worker to re-read postgresql.conf, outside any transaction.
+    unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+    let (database, own_settings) = txn::run(|| Ok::<_, String>((current_database(), own_settings())))
+        .unwrap_or_else(|error| (format!("oid {}", database_oid.to_u32()), error));
 
     // The relay's batch statements gain nothing from JIT and would pay its compile time per call.
     // Its commits need not wait for the WAL flush: a relay commit lost in a crash (claim, mark,
@@ -103,7 +118,10 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             )
         };
     }
-    shmem::register_relay(slot);
+    if !shmem::register_relay(slot) {
+        // The launcher gave up on this database meanwhile (dropped, filtered out).
+        return;
+    }
     claims::clear(slot);
     // A (re)started relay first returns the claims its predecessor left behind.
     shmem::schedule_housekeeping(Duration::ZERO);
@@ -117,16 +135,15 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         health: Health::Healthy,
         outage_target: None,
         retry_at: None,
-        database: guc::database(),
+        database,
         shards_held: 0,
         full_read_at: Instant::now(),
         catching_up: false,
+        found_extension: false,
+        exit: false,
+        own_settings,
     };
     relay.sink.configure(redis_config());
-    log!("outbox_pg relay {} started: database \"{}\", Redis at {}", relay.slot, relay.database, relay.sink.describe());
-    if relay.slot == 0 {
-        warn_if_lease_too_short();
-    }
 
     loop {
         if shmem::step_aside_requested() {
@@ -136,8 +153,20 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         if BackgroundWorker::sighup_received() {
             // SAFETY: the documented way for a worker to re-read postgresql.conf after SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-            if relay.slot == 0 {
-                warn_if_lease_too_short();
+            // A reload does not re-read pg_db_role_setting: start again to apply a change there.
+            match txn::run(|| Ok::<_, String>(self::own_settings())) {
+                Ok(settings) if settings != relay.own_settings => {
+                    log!(
+                        "outbox_pg relay {}: the settings of database \"{}\" changed (ALTER DATABASE or ALTER ROLE ... SET); restarting to apply them",
+                        relay.slot,
+                        relay.database
+                    );
+                    break;
+                }
+                _ => {}
+            }
+            if relay.slot == 0 && relay.found_extension {
+                warn_about_settings();
             }
             let before = relay.sink.describe();
             relay.sink.configure(redis_config());
@@ -155,7 +184,11 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         // internally, so calling it every round is cheap.
         // SAFETY: outside any transaction, as pgstat requires.
         unsafe { pg_sys::pgstat_report_stat(false) };
-        match relay.run_once() {
+        let next = relay.run_once();
+        if relay.exit {
+            break;
+        }
+        match next {
             Some(timeout) => {
                 report_activity(false);
                 if stop_requested() || !BackgroundWorker::wait_latch(Some(timeout)) {
@@ -219,7 +252,9 @@ impl Relay {
             slot: self.slot,
             // SAFETY: MyProcPid is set for every backend.
             pid: unsafe { pg_sys::MyProcPid },
-            share: crate::order::SHARDS.div_ceil(guc::workers() as u64) as usize,
+            // Shared among the relays that run, not those asked for: when a worker slot is
+            // missing, the running relays take its shards too.
+            share: crate::order::SHARDS.div_ceil(shmem::relays_running().max(1) as u64) as usize,
             lease: guc::lease(),
             batch_size: guc::batch_size(),
             stream_template: guc::stream_template(),
@@ -232,6 +267,9 @@ impl Relay {
         };
         let mut timings = RoundTimings::default();
         let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
+        if !matches!(outcome, TickOutcome::ExtensionMissing | TickOutcome::DatabaseError(_)) {
+            self.extension_found();
+        }
         shmem::set_redis_connected(self.sink.is_connected());
         // A cut batch or a failure reads everything again next round; otherwise a full read once
         // per poll interval.
@@ -296,8 +334,8 @@ impl Relay {
                 Some(poll.min(until_housekeeping))
             }
             TickOutcome::ExtensionMissing => {
-                self.set_health(Health::ExtensionMissing);
-                Some(poll.max(Duration::from_secs(1)))
+                self.extension_missing();
+                None
             }
             TickOutcome::ExtensionOutdated { installed } => {
                 self.set_health(Health::ExtensionOutdated(installed));
@@ -356,7 +394,6 @@ impl Relay {
                         Health::Disabled => "paused (outbox.enabled = off)".to_string(),
                         Health::BrokerDown(error) => format!("failing to reach Redis: {error}"),
                         Health::DatabaseError(error) => format!("failing: {error}"),
-                        Health::ExtensionMissing => "waiting for the extension".to_string(),
                         Health::ExtensionOutdated(_) => "waiting for ALTER EXTENSION outbox_pg UPDATE".to_string(),
                         Health::Healthy => "running; check failed events and per-aggregate backlogs".to_string(),
                     }
@@ -399,6 +436,46 @@ impl Relay {
         delay
     }
 
+    /// The extension is installed: the launcher may start the other relays.
+    fn extension_found(&mut self) {
+        if self.found_extension {
+            return;
+        }
+        self.found_extension = true;
+        let _ = shmem::set_extension_state(ExtensionState::Present);
+        log!(
+            "outbox_pg relay {} started: database \"{}\", Redis at {}",
+            self.slot,
+            self.database,
+            self.sink.describe()
+        );
+        if self.slot == 0 {
+            warn_about_settings();
+        }
+    }
+
+    /// No outbox_pg in this database (never, or dropped): tell the launcher and exit. A probe of a
+    /// database nobody asked for stays quiet; one that `outbox.databases` names is worth a line.
+    fn extension_missing(&mut self) {
+        let before = shmem::set_extension_state(ExtensionState::Missing);
+        if self.found_extension {
+            if before == ExtensionState::Present {
+                log!(
+                    "outbox_pg: extension outbox_pg was dropped from database \"{}\"; its relays stop until CREATE EXTENSION outbox_pg",
+                    self.database
+                );
+            }
+        } else if guc::databases().is_some() {
+            log!(
+                "outbox_pg: extension outbox_pg is not installed in database \"{}\", which outbox.databases names; its relays start at CREATE EXTENSION outbox_pg",
+                self.database
+            );
+        } else {
+            debug1!("outbox_pg: no extension outbox_pg in database \"{}\"; no relay there", self.database);
+        }
+        self.exit = true;
+    }
+
     fn recovered(&mut self) {
         self.set_health(Health::Healthy);
         self.backoff.reset();
@@ -429,9 +506,6 @@ impl Relay {
                     "outbox_pg: publishing to Redis at {target} again after {} failed attempts",
                     self.backoff.failures()
                 ),
-                Health::ExtensionMissing => {
-                    log!("outbox_pg: extension found in database \"{}\"; relaying", self.database)
-                }
                 Health::ExtensionOutdated(_) => log!(
                     "outbox_pg: extension outbox_pg is at version {} in database \"{}\"; relaying",
                     tick::LIBRARY_VERSION,
@@ -447,10 +521,6 @@ impl Relay {
             Health::DatabaseError(error) => {
                 warning!("outbox_pg: relay statement failed: {error}; retrying with backoff")
             }
-            Health::ExtensionMissing => log!(
-                "outbox_pg: extension outbox_pg is not installed in database \"{}\"; the relay waits for CREATE EXTENSION outbox_pg",
-                self.database
-            ),
             Health::ExtensionOutdated(installed) => {
                 let problem = format!(
                     "database \"{}\" has extension outbox_pg {installed} but the server runs library {}",
@@ -466,6 +536,28 @@ impl Relay {
         }
         self.health = health;
     }
+}
+
+/// The name of the database this relay is connected to (inside a transaction).
+fn current_database() -> String {
+    // SAFETY: MyDatabaseId is set once connected; get_database_name returns a palloc'd copy or NULL.
+    unsafe {
+        let name = pg_sys::get_database_name(pg_sys::MyDatabaseId);
+        if name.is_null() {
+            return format!("oid {}", pg_sys::MyDatabaseId.to_u32());
+        }
+        std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned()
+    }
+}
+
+/// The settings PostgreSQL applied at connection from pg_db_role_setting (`ALTER DATABASE ...
+/// SET`, `ALTER ROLE ... [IN DATABASE ...] SET`), as one comparable text (inside a transaction).
+fn own_settings() -> String {
+    const QUERY: &str = "SELECT coalesce(string_agg(setconfig::text, ';' ORDER BY setdatabase, setrole), '')
+                           FROM pg_db_role_setting
+                          WHERE setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
+                            AND setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = session_user))";
+    Spi::get_one::<String>(QUERY).ok().flatten().unwrap_or_default()
 }
 
 /// A duration as an operator reads it: `42.0s`, `7m 5s`, `2h 3m`.
@@ -489,15 +581,23 @@ fn stop_requested() -> bool {
     STOPPING.load(std::sync::atomic::Ordering::SeqCst)
 }
 
-/// A lease must outlive a round: while a relay waits on Redis, its shards' lease has to stay valid,
-/// or other relays take them over and publish the same events a second time. A round can wait on Redis
-/// for up to `outbox.redis_timeout` (the connect, then the exchange), so a lease shorter than
-/// twice that is a configuration that produces duplicates under a slow Redis. Logged at start and
-/// after each reload, by relay 0 only.
-fn warn_if_lease_too_short() {
+/// Settings that work but give up part of a guarantee, logged at start and after each reload, by
+/// relay 0 only. A lease must outlive a round: while a relay waits on Redis, its shards' lease has
+/// to stay valid, or other relays take them over and publish the same events a second time. A round
+/// can wait on Redis for up to `outbox.redis_timeout` (the connect, then the exchange), so a lease
+/// shorter than twice that produces duplicates under a slow Redis. And behind Sentinel or Cluster,
+/// only `outbox.redis_wait_replicas` makes a failover lose nothing.
+fn warn_about_settings() {
     let (lease, timeout) = (guc::lease(), guc::redis_timeout());
     if let Some(reason) = lease_problem(lease, timeout) {
         warning!("outbox_pg: {reason}");
+    }
+    if guc::redis_mode() != guc::RedisMode::Standalone && guc::redis_wait_replicas() == 0 {
+        warning!(
+            "outbox_pg: outbox.redis_mode is {} and outbox.redis_wait_replicas is 0: Redis replicates asynchronously, so a \
+             failover can lose the entries the old master acknowledged last; set outbox.redis_wait_replicas = 1",
+            if guc::redis_mode() == guc::RedisMode::Cluster { "cluster" } else { "sentinel" }
+        );
     }
 }
 
@@ -517,8 +617,11 @@ fn lease_problem(lease: Duration, redis_timeout: Duration) -> Option<String> {
 fn redis_config() -> RedisConfig {
     RedisConfig {
         url: guc::redis_url(),
+        mode: guc::redis_mode(),
+        sentinel_master: guc::redis_sentinel_master(),
         password_file: guc::redis_password_file(),
         timeout: guc::redis_timeout(),
+        wait_replicas: guc::redis_wait_replicas(),
         tls: TlsFiles {
             ca_file: guc::redis_tls_ca_file(),
             cert_file: guc::redis_tls_cert_file(),

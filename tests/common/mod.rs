@@ -3,6 +3,8 @@
 //! PostgreSQL refuses to run as root, so when the tests run as root the server runs as `postgres`.
 #![allow(dead_code)]
 
+pub mod topologies;
+
 use std::collections::HashMap;
 use std::fs;
 use std::net::TcpListener;
@@ -147,11 +149,10 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// A cluster that preloads outbox_pg, relays to `redis_port` and watches database `postgres`.
+    /// A cluster that preloads outbox_pg and relays every database with the extension to `redis_port`.
     pub fn start(redis_port: u16, extra: &[&str]) -> Cluster {
         let mut conf = vec![
             "shared_preload_libraries = 'outbox_pg'".to_string(),
-            "outbox.database = 'postgres'".to_string(),
             format!("outbox.redis_url = 'redis://127.0.0.1:{redis_port}'"),
             "outbox.redis_timeout = '2s'".to_string(),
         ];
@@ -240,11 +241,14 @@ impl Cluster {
         client.batch_execute("SELECT pg_reload_conf()").unwrap();
     }
 
-    /// Waits until the relay process is running and returns its pid.
+    /// Waits until the relay of the database `client` is connected to runs and returns its pid.
     pub fn relay_pid(&self, client: &mut postgres::Client) -> i32 {
         wait_for(DEADLINE, "the relay worker to run", || {
             client
-                .query_opt("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay'", &[])
+                .query_opt(
+                    "SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay' AND datname = current_database()",
+                    &[],
+                )
                 .ok()
                 .flatten()
                 .map(|row| row.get::<_, i32>(0))
@@ -298,6 +302,8 @@ impl Redis {
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.dir.join("redis.log"))
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -316,6 +322,15 @@ impl Redis {
 
     fn password(&self) -> Option<String> {
         self.extra.iter().position(|a| a == "--requirepass").map(|i| self.extra[i + 1].clone())
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     /// Kills the server (SIGKILL) and waits for it to be gone.
@@ -351,6 +366,25 @@ impl Redis {
             let entries = self.entries(stream);
             (entries.len() >= count).then_some(entries)
         })
+    }
+}
+
+/// Where the invariant checker reads the streams: one node, or a Sentinel set's master, or every
+/// master of a cluster.
+pub trait StreamStore {
+    /// Every key holding a stream, sorted.
+    fn stream_keys(&self) -> Vec<String>;
+    /// Every entry of `stream`, oldest first, as field maps.
+    fn entries(&self, stream: &str) -> Vec<HashMap<String, String>>;
+}
+
+impl StreamStore for Redis {
+    fn stream_keys(&self) -> Vec<String> {
+        Redis::stream_keys(self)
+    }
+
+    fn entries(&self, stream: &str) -> Vec<HashMap<String, String>> {
+        Redis::entries(self, stream)
     }
 }
 
@@ -904,7 +938,13 @@ pub struct Report {
 ///   which within an aggregate is commit order.
 ///
 /// Assumes the default `outbox.stream` template (`outbox:{aggregate_type}`).
-pub fn check_invariants(scenario: &str, pg: &Cluster, redis: &Redis, ledger: &SharedLedger, expect: Expect) -> Report {
+pub fn check_invariants(
+    scenario: &str,
+    pg: &Cluster,
+    redis: &dyn StreamStore,
+    ledger: &SharedLedger,
+    expect: Expect,
+) -> Report {
     let mut client = pg.connect_eventually();
     let mut ledger = ledger.lock().unwrap();
     let mut report = Report::default();
