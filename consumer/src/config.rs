@@ -1,8 +1,55 @@
-//! Consumer settings and their defaults.
+//! Consumer settings and their defaults, and the checks that can be made without touching the
+//! network or the file system (those happen at connect time, see `crate::connection`).
 
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Duration;
 
+use crate::connection;
 use crate::error::ConsumerError;
+
+/// How the Redis deployment is organised, which decides how `redis_url` is read and where keys
+/// live.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum RedisMode {
+    /// One server (or a primary reached through one address): `redis_url` names it.
+    #[default]
+    Standalone,
+    /// Redis Cluster: `redis_url` lists seed nodes, commands are routed by hash slot and MOVED/ASK
+    /// redirections are followed. Dedup keys are hash-tagged with the stream so that they live in
+    /// the stream's slot (see [`ConsumerConfig::dedup_key`]).
+    Cluster,
+}
+
+impl RedisMode {
+    /// The name used by the CLI and in messages: `standalone` or `cluster`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RedisMode::Standalone => "standalone",
+            RedisMode::Cluster => "cluster",
+        }
+    }
+}
+
+impl fmt::Display for RedisMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RedisMode {
+    type Err = String;
+
+    /// Parses `standalone` or `cluster` (case-insensitive); the error names the accepted values.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.to_ascii_lowercase().as_str() {
+            "standalone" => Ok(RedisMode::Standalone),
+            "cluster" => Ok(RedisMode::Cluster),
+            _ => Err(format!("invalid Redis mode {text:?}: expected standalone or cluster")),
+        }
+    }
+}
 
 /// Everything a [`crate::Consumer`] needs to know. Build it with [`ConsumerConfig::new`], which
 /// fills in the defaults, then change the public fields as needed before
@@ -13,8 +60,25 @@ use crate::error::ConsumerError;
 /// `group` or `stream` afterwards.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConsumerConfig {
-    /// Redis connection URL, e.g. `redis://127.0.0.1:6379/0`.
+    /// Redis connection URL, e.g. `redis://127.0.0.1:6379/0`, `rediss://host:6380/` for TLS, or
+    /// `redis://user:password@host:6379/` for an ACL user. In cluster mode, a list of seed nodes:
+    /// `redis://[user:password@]host1:port1,host2:port2/` (scheme and credentials of the front
+    /// apply to every node) or comma-separated full URLs.
     pub redis_url: String,
+    /// Standalone (default) or Redis Cluster; see [`RedisMode`].
+    pub redis_mode: RedisMode,
+    /// A file holding the password, which then overrides any password in `redis_url`, so that it
+    /// stays out of the command line and the environment. It must be accessible by its owner only
+    /// (like libpq's `.pgpass`); trailing newlines are ignored. Read at every (re)connect.
+    pub password_file: Option<PathBuf>,
+    /// CA certificates (PEM) the server's certificate must chain to, for a `rediss://` URL.
+    /// `None`: the system's trust store. The certificate and the host name (or IP address) in the
+    /// URL are always verified; there is no setting to turn that off.
+    pub tls_ca_file: Option<PathBuf>,
+    /// Client certificate chain (PEM) for servers that require mutual TLS; needs `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// Private key (PEM) of `tls_cert_file`; must be accessible by its owner only.
+    pub tls_key_file: Option<PathBuf>,
     /// The stream key to consume, e.g. `outbox:order`.
     pub stream: String,
     /// The consumer group; each group sees every event once, shared among its consumers.
@@ -82,6 +146,11 @@ impl ConsumerConfig {
         let group = group.into();
         ConsumerConfig {
             redis_url: redis_url.into(),
+            redis_mode: RedisMode::Standalone,
+            password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             consumer_name: default_consumer_name(),
             group_start_id: "0".to_string(),
             batch_size: DEFAULT_BATCH_SIZE,
@@ -143,8 +212,60 @@ impl ConsumerConfig {
                 return invalid(format!("{name} must be at most one year, got {value:?}"));
             }
         }
+        for (name, value) in [
+            ("password_file", &self.password_file),
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ] {
+            if value.as_ref().is_some_and(|path| path.as_os_str().is_empty()) {
+                return invalid(format!("{name} must not be an empty path"));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return invalid("tls_cert_file and tls_key_file must be set together (mutual TLS needs both)".to_string());
+        }
+        // The URL: its form for the mode, TLS consistency; never echoes credentials.
+        connection::check_url(self).map_err(ConsumerError::InvalidConfig)?;
+        if self.redis_mode == RedisMode::Cluster {
+            let tag = hash_slot_part(&self.stream);
+            let probe = format!("{}:{{{tag}}}:", self.dedup_prefix);
+            if hash_slot_part(&probe) != tag {
+                return invalid(format!(
+                    "in cluster mode the dedup keys <dedup_prefix>:{{<stream>}}:<event_id> must hash to the stream's slot, \
+                     which dedup_prefix {:?} with stream {:?} prevents: dedup_prefix must not contain '{{' (unless it \
+                     holds the stream's own hash tag), and a stream without a hash tag must not contain '}}'",
+                    self.dedup_prefix, self.stream
+                ));
+            }
+        }
         Ok(())
     }
+
+    /// The dedup key of an event: `<dedup_prefix>:<event_id>` in standalone mode. In cluster mode
+    /// `<dedup_prefix>:{<tag>}:<event_id>`, where `<tag>` is the part of the stream name Redis
+    /// Cluster hashes (its hash tag if it has one, else the whole name), so that the key lives in
+    /// the stream's slot and "mark done + acknowledge" stays one atomic script on one node.
+    pub fn dedup_key(&self, event_id: &str) -> String {
+        match self.redis_mode {
+            RedisMode::Standalone => format!("{}:{event_id}", self.dedup_prefix),
+            RedisMode::Cluster => format!("{}:{{{}}}:{event_id}", self.dedup_prefix, hash_slot_part(&self.stream)),
+        }
+    }
+}
+
+/// The part of a key that Redis Cluster hashes to find its slot: the content of the first
+/// `{...}` when it is not empty, otherwise the whole key (the rule of the Redis Cluster spec).
+pub(crate) fn hash_slot_part(key: &str) -> &str {
+    if let Some(open) = key.find('{') {
+        let rest = &key[open + 1..];
+        if let Some(close) = rest.find('}') {
+            if close > 0 {
+                return &rest[..close];
+            }
+        }
+    }
+    key
 }
 
 /// The default consumer name, `<hostname>-<pid>`: unique per process on a host, and it tells an
@@ -200,6 +321,54 @@ mod tests {
     }
 
     #[test]
+    fn redis_mode_parses_and_prints() {
+        assert_eq!("cluster".parse::<RedisMode>(), Ok(RedisMode::Cluster));
+        assert_eq!("Standalone".parse::<RedisMode>(), Ok(RedisMode::Standalone));
+        assert!("sentinel".parse::<RedisMode>().expect_err("unknown").contains("standalone or cluster"));
+        assert_eq!(RedisMode::Cluster.to_string(), "cluster");
+        assert_eq!(RedisMode::default(), RedisMode::Standalone);
+    }
+
+    #[test]
+    fn hash_slot_part_follows_the_cluster_spec() {
+        assert_eq!(hash_slot_part("outbox:order"), "outbox:order");
+        assert_eq!(hash_slot_part("outbox:{order}:x"), "order");
+        assert_eq!(hash_slot_part("{a}{b}"), "a");
+        assert_eq!(hash_slot_part("a{}b"), "a{}b", "an empty tag hashes the whole key");
+        assert_eq!(hash_slot_part("a{b"), "a{b");
+        assert_eq!(hash_slot_part("{{a}"), "{a");
+    }
+
+    #[test]
+    fn dedup_keys_are_unchanged_in_standalone_and_hash_tagged_in_cluster_mode() {
+        let mut c = config();
+        assert_eq!(c.dedup_key("e1"), "outbox:dedup:billing:e1");
+        c.redis_mode = RedisMode::Cluster;
+        assert_eq!(c.dedup_key("e1"), "outbox:dedup:billing:{outbox:order}:e1");
+        assert_eq!(hash_slot_part(&c.dedup_key("e1")), hash_slot_part(&c.stream));
+        c.stream = "outbox:{order}".to_string();
+        c.dead_letter_stream = "outbox:{order}:dead".to_string();
+        assert_eq!(c.dedup_key("e1"), "outbox:dedup:billing:{order}:e1");
+        assert!(c.validate().is_ok());
+        // A prefix holding the stream's own tag keeps the key in the stream's slot.
+        c.dedup_prefix = "dedup:{order}".to_string();
+        assert!(c.validate().is_ok());
+        assert_eq!(hash_slot_part(&c.dedup_key("e1")), "order");
+        // Any other brace in the prefix, or a stray '}' in an untagged stream name, would not.
+        for (prefix, stream) in [("dedup:{x}", "outbox:{order}"), ("dedup{", "outbox:order"), ("d", "a}b")] {
+            c.dedup_prefix = prefix.to_string();
+            c.stream = stream.to_string();
+            match c.validate() {
+                Err(ConsumerError::InvalidConfig(m)) => assert!(m.contains("dedup_prefix"), "{m}"),
+                other => panic!("{prefix} / {stream}: expected InvalidConfig, got {other:?}"),
+            }
+        }
+        // Standalone mode does not care.
+        c.redis_mode = RedisMode::Standalone;
+        assert!(c.validate().is_ok());
+    }
+
+    #[test]
     fn validation_names_the_setting() {
         type Change = fn(&mut ConsumerConfig);
         let cases: Vec<(Change, &str)> = vec![
@@ -212,6 +381,11 @@ mod tests {
             (|c| c.claim_idle_timeout = Duration::ZERO, "claim_idle_timeout"),
             (|c| c.block_timeout = Duration::from_secs(400 * 86_400), "block_timeout"),
             (|c| c.dead_letter_stream = c.stream.clone(), "dead_letter_stream"),
+            (|c| c.tls_cert_file = Some("c.crt".into()), "tls_key_file"),
+            (|c| c.tls_key_file = Some("c.key".into()), "tls_cert_file"),
+            (|c| c.password_file = Some("".into()), "password_file"),
+            (|c| c.tls_ca_file = Some("ca.crt".into()), "rediss://"),
+            (|c| c.redis_url = "redis://a:1,b:2".into(), "cluster"),
         ];
         for (change, name) in cases {
             let mut c = config();

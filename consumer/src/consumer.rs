@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use redis::Value;
 
 use crate::config::ConsumerConfig;
+use crate::connection::{self, Connection};
 use crate::error::ConsumerError;
 use crate::event::Event;
 use crate::reply::{self, RawEntry};
@@ -40,11 +41,12 @@ pub struct Stats {
 ///
 /// # Deduplication protocol
 ///
-/// Before the handler runs, the consumer takes the key `<dedup_prefix>:<event_id>` with
+/// Before the handler runs, the consumer takes the key `<dedup_prefix>:<event_id>` (in cluster
+/// mode `<dedup_prefix>:{<stream>}:<event_id>`, see [`ConsumerConfig::dedup_key`]) with
 /// `SET key "inflight|<entry_id>|<consumer>" NX EX <ttl>`:
 ///
 /// * the key was free: run the handler. On success, `SET key done EX <ttl>` and `XACK` in one
-///   MULTI, so "done" and the acknowledgement cannot be separated. On failure, delete the key
+///   script, so "done" and the acknowledgement cannot be separated. On failure, delete the key
 ///   (only if it still holds our marker) so that the retry is not mistaken for a duplicate, and
 ///   leave the entry pending.
 /// * the key says `done` (or anything that is not an in-flight marker): the event was already
@@ -57,13 +59,12 @@ pub struct Stats {
 ///   handled right now. Leave this copy pending; once the other copy is done, the reclaimed copy
 ///   is acknowledged as a duplicate (or processed, if the other copy failed).
 ///
-/// Remaining windows: a crash after the handler succeeded but before the MULTI ran redelivers
+/// Remaining windows: a crash after the handler succeeded but before the script ran redelivers
 /// the entry and runs the handler again (at-least-once); a handler slower than
 /// `claim_idle_timeout` can be reclaimed and run concurrently by another consumer.
 pub struct Consumer {
     config: ConsumerConfig,
-    client: redis::Client,
-    conn: redis::Connection,
+    conn: Connection,
     stats: Stats,
     /// Where the next XAUTOCLAIM page starts; `0-0` between scans.
     claim_cursor: String,
@@ -117,25 +118,30 @@ end
 return 0
 ";
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Added to the block timeout for the socket read timeout, so a blocking XREADGROUP is never
-/// cut short by the client while a dead server is still noticed.
-const READ_TIMEOUT_MARGIN: Duration = Duration::from_secs(10);
+/// Marks the event done (`KEYS[1]` = dedup key set to `ARGV[1]` for `ARGV[2]` seconds) and
+/// acknowledges the entry (`KEYS[2]` = stream, `ARGV[3]` = group, `ARGV[4]` = entry ID). A script
+/// rather than MULTI/EXEC because it is one command: the cluster client routes it by its first key
+/// (both keys share a slot in cluster mode, see `ConsumerConfig::dedup_key`) and follows a
+/// redirection for it as for any command, which it cannot do for a transaction (its sync client
+/// has no MULTI/EXEC at all). Atomic all the same, and replicated as one unit.
+const DONE_SCRIPT: &str = r"
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
+";
+
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// The value of a dedup key once its event was processed.
 const DONE: &str = "done";
 
 impl Consumer {
-    /// Validates `config`, connects to Redis and creates the consumer group if it does not exist
-    /// (with MKSTREAM, so the stream may not exist yet either).
+    /// Validates `config`, reads the files it names (password, certificates), connects to Redis
+    /// (one server, or the cluster through its seed nodes) and creates the consumer group if it
+    /// does not exist (with MKSTREAM, so the stream may not exist yet either).
     pub fn connect(config: ConsumerConfig) -> Result<Consumer, ConsumerError> {
         config.validate()?;
-        let client = redis::Client::open(config.redis_url.as_str()).map_err(ConsumerError::redis("connect"))?;
-        let conn = open_connection(&client, &config)?;
+        let conn = connection::open(&config)?;
         let mut consumer = Consumer {
             config,
-            client,
             conn,
             stats: Stats::default(),
             claim_cursor: "0-0".to_string(),
@@ -224,9 +230,13 @@ impl Consumer {
                         break;
                     }
                     // A failed reconnect is retried on the next round: the poll fails again
-                    // and counts towards `reconnect_attempts`.
-                    if self.reconnect().is_ok() {
-                        self.stats.reconnects += 1;
+                    // and counts towards `reconnect_attempts`. One that cannot succeed (a file
+                    // that became unreadable, a certificate the server now refuses, a permission
+                    // taken away) ends the run with its own error rather than the poll's.
+                    match self.reconnect() {
+                        Ok(()) => self.stats.reconnects += 1,
+                        Err(error) if !error.is_transient() => return Err(error),
+                        Err(_) => {}
                     }
                 }
                 Err(error) => return Err(error),
@@ -235,9 +245,11 @@ impl Consumer {
         Ok(())
     }
 
-    /// Replaces the connection and re-creates the group if it vanished.
+    /// Replaces the connection (re-reading the password and certificate files, and in cluster
+    /// mode the slot map, so a failed-over master's replica is found) and re-creates the group if
+    /// it vanished.
     fn reconnect(&mut self) -> Result<(), ConsumerError> {
-        self.conn = open_connection(&self.client, &self.config)?;
+        self.conn = connection::open(&self.config)?;
         self.ensure_group()
     }
 
@@ -337,11 +349,14 @@ impl Consumer {
             return Ok(Vec::new());
         }
 
-        let mut pipe = redis::pipe();
+        let mut commands = Vec::with_capacity(claim.entries.len());
         for entry in &claim.entries {
-            pipe.cmd("XPENDING").arg(&self.config.stream).arg(&self.config.group).arg(&entry.id).arg(&entry.id).arg(1);
+            let mut cmd = redis::cmd("XPENDING");
+            cmd.arg(&self.config.stream).arg(&self.config.group).arg(&entry.id).arg(&entry.id).arg(1);
+            commands.push(cmd);
         }
-        let rows: Vec<Value> = pipe.query(&mut self.conn).map_err(ConsumerError::redis("XPENDING"))?;
+        // One key (the stream) for every command: a single node in cluster mode too.
+        let rows = self.conn.pipeline(commands).map_err(ConsumerError::redis("XPENDING"))?;
         let mut out = Vec::with_capacity(claim.entries.len());
         for (entry, row) in claim.entries.into_iter().zip(rows) {
             let pending = reply::pending(row)
@@ -371,7 +386,7 @@ impl Consumer {
                 return Ok(Outcome::DeadLettered);
             }
         };
-        let key = format!("{}:{}", self.config.dedup_prefix, event.event_id);
+        let key = self.config.dedup_key(&event.event_id);
         let too_many = deliveries > self.config.max_deliveries;
         match self.acquire(&key, &entry.id)? {
             DedupState::Done => {
@@ -398,19 +413,15 @@ impl Consumer {
             }
             DedupState::Acquired { marker } => match handler(&event) {
                 Ok(()) => {
-                    redis::pipe()
-                        .atomic()
-                        .cmd("SET")
+                    redis::cmd("EVAL")
+                        .arg(DONE_SCRIPT)
+                        .arg(2)
                         .arg(&key)
-                        .arg(DONE)
-                        .arg("EX")
-                        .arg(ttl_secs(self.config.dedup_ttl))
-                        .ignore()
-                        .cmd("XACK")
                         .arg(&self.config.stream)
+                        .arg(DONE)
+                        .arg(ttl_secs(self.config.dedup_ttl))
                         .arg(&self.config.group)
                         .arg(&entry.id)
-                        .ignore()
                         .exec(&mut self.conn)
                         .map_err(ConsumerError::redis("SET done + XACK"))?;
                     self.stats.processed += 1;
@@ -488,7 +499,9 @@ impl Consumer {
 
     /// Copies the entry to the dead-letter stream with why and how often it failed, then
     /// acknowledges it. Not one MULTI on purpose: a failing XADD inside MULTI would not stop the
-    /// XACK, losing the entry; in this order a crash in between only duplicates the dead letter.
+    /// XACK, losing the entry; in this order a crash or a lost connection in between only
+    /// duplicates the dead letter. (In cluster mode the dead-letter stream may live on another
+    /// node, where no transaction could reach anyway.)
     fn dead_letter(&mut self, entry: &RawEntry, error: &str, deliveries: u64) -> Result<(), ConsumerError> {
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&self.config.dead_letter_stream).arg("*");
@@ -508,13 +521,6 @@ impl Consumer {
         self.stats.dead_lettered += 1;
         Ok(())
     }
-}
-
-fn open_connection(client: &redis::Client, config: &ConsumerConfig) -> Result<redis::Connection, ConsumerError> {
-    let conn = client.get_connection_with_timeout(CONNECT_TIMEOUT).map_err(ConsumerError::redis("connect"))?;
-    conn.set_read_timeout(Some(config.block_timeout + READ_TIMEOUT_MARGIN)).map_err(ConsumerError::redis("connect"))?;
-    conn.set_write_timeout(Some(WRITE_TIMEOUT)).map_err(ConsumerError::redis("connect"))?;
-    Ok(conn)
 }
 
 /// Milliseconds for a Redis argument; config validation keeps durations far below overflow.
@@ -542,6 +548,14 @@ fn sleep_unless_stopped(total: Duration, stop: &AtomicBool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_consumer_can_move_to_another_thread() {
+        // Both connection types must stay `Send`: applications create a consumer and hand it to
+        // a worker thread.
+        fn assert_send<T: Send>() {}
+        assert_send::<Consumer>();
+    }
 
     #[test]
     fn ttl_rounds_up_to_whole_seconds() {

@@ -11,7 +11,10 @@
 //! * an entry is acknowledged only after its handler succeeded; failed or abandoned entries are
 //!   reclaimed with XAUTOCLAIM after an idle timeout and retried;
 //! * entries that keep failing, and malformed ones, go to a dead-letter stream instead of being
-//!   retried forever.
+//!   retried forever;
+//! * one server or a Redis Cluster ([`RedisMode`]), over TLS (`rediss://`, mutual TLS) and as an
+//!   ACL user whose password may come from a file (see [`ConsumerConfig`] and the README's
+//!   "Topologies").
 //!
 //! ```no_run
 //! use std::sync::atomic::AtomicBool;
@@ -37,14 +40,16 @@
 #![warn(missing_docs)]
 
 mod config;
+mod connection;
 mod consumer;
 mod error;
 mod event;
 mod reply;
 
 pub use config::{
-    default_consumer_name, ConsumerConfig, DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_TIMEOUT, DEFAULT_CLAIM_IDLE_TIMEOUT,
-    DEFAULT_CLAIM_INTERVAL, DEFAULT_DEDUP_TTL, DEFAULT_MAX_DELIVERIES, DEFAULT_RECONNECT_ATTEMPTS,
+    default_consumer_name, ConsumerConfig, RedisMode, DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_TIMEOUT,
+    DEFAULT_CLAIM_IDLE_TIMEOUT, DEFAULT_CLAIM_INTERVAL, DEFAULT_DEDUP_TTL, DEFAULT_MAX_DELIVERIES,
+    DEFAULT_RECONNECT_ATTEMPTS,
 };
 pub use consumer::{Consumer, Stats};
 pub use error::ConsumerError;

@@ -1,4 +1,5 @@
-//! The `outbox-consume` binary against a real redis-server.
+//! The `outbox-consume` binary against a real redis-server, a TLS-only one with client
+//! certificates and an ACL user, and a Redis Cluster.
 
 mod common;
 
@@ -6,7 +7,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{event_fields, event_id, pending_count, wait_until, xadd, RedisServer, DEADLINE};
+use common::{
+    event_fields, event_id, least_privileges, pending_count, set_user_command, wait_until, write_secret, xadd,
+    RedisCluster, RedisServer, TempDir, TlsFiles, DEADLINE,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-consume");
 const STREAM: &str = "outbox:order";
@@ -153,6 +157,11 @@ fn bad_arguments_exit_with_code_2_and_name_the_value() {
         (vec!["--bogus"], &["\"--bogus\""]),
         (vec!["--max-events"], &["--max-events needs a value"]),
         (vec!["--dead-letter", STREAM], &["dead_letter_stream"]),
+        (vec!["--redis-mode", "sentinel"], &["--redis-mode", "\"sentinel\""]),
+        (vec!["--tls-cert-file", "/tmp/c.crt"], &["--tls-cert-file and --tls-key-file"]),
+        (vec!["--tls-ca-file", "/tmp/ca.crt"], &["not a rediss:// URL"]),
+        (vec!["--password-file="], &["--password-file must not be empty"]),
+        (vec!["--redis", "redis://127.0.0.1:1,127.0.0.1:2"], &["--redis-mode cluster"]),
     ];
     for (extra, expected) in cases {
         let mut args = base.to_vec();
@@ -171,4 +180,97 @@ fn bad_arguments_exit_with_code_2_and_name_the_value() {
     let output = run(&["--help"]);
     assert!(output.status.success());
     assert!(text(&output.stdout).contains("usage: outbox-consume"));
+}
+
+/// Stdout lines parsed as JSON events' `event_id`s.
+fn printed_ids(output: &Output) -> Vec<String> {
+    text(&output.stdout)
+        .lines()
+        .map(|line| {
+            let event: serde_json::Value =
+                serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+            event["event_id"].as_str().expect("event_id").to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn consumes_over_mutual_tls_as_an_acl_user_with_a_password_file() {
+    let files = TlsFiles::generate();
+    let server = RedisServer::start_tls(&files, &files.server_cert, &files.server_key, files.client());
+    let mut conn = server.conn();
+    set_user_command("cli-user", "cli-pw", &least_privileges(STREAM, GROUP, false)).exec(&mut conn).expect("ACL");
+    let secrets = TempDir::new("secrets");
+    let password_file = secrets.path().join("password");
+    write_secret(&password_file, "cli-pw\n");
+    xadd(&mut conn, STREAM, &event_fields(&event_id(1), 1));
+    xadd(&mut conn, STREAM, &event_fields(&event_id(1), 1));
+    xadd(&mut conn, STREAM, &event_fields(&event_id(2), 2));
+
+    // The password is in neither the URL nor argv.
+    let url = format!("rediss://cli-user@127.0.0.1:{}/", server.port);
+    let (ca, cert, key, pw) = (
+        files.ca.display().to_string(),
+        files.client_cert.display().to_string(),
+        files.client_key.display().to_string(),
+        password_file.display().to_string(),
+    );
+    let tls_args = ["--tls-ca-file", &ca, "--tls-cert-file", &cert, "--tls-key-file", &key];
+    let mut args = vec!["--redis", &url, "--password-file", &pw, "--stream", STREAM, "--group", GROUP];
+    args.extend(tls_args);
+    args.extend(["--block-ms", "50", "--idle-exit-ms", "300"]);
+    let output = run(&args);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
+    assert_eq!(printed_ids(&output), vec![event_id(1), event_id(2)]);
+    assert!(stderr.contains("processed 2, duplicates skipped 1"), "stderr: {stderr}");
+    assert_eq!(pending_count(&mut conn, STREAM, GROUP), 0);
+
+    // A server certificate the CA does not vouch for: exit 1 with a TLS error naming the cause.
+    let other_ca = files.other_ca.display().to_string();
+    let mut args = vec!["--redis", &url, "--password-file", &pw, "--stream", STREAM, "--group", GROUP];
+    args.extend(["--tls-ca-file", &other_ca, "--tls-cert-file", &cert, "--tls-key-file", &key]);
+    let output = run(&args);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "stderr: {stderr}");
+    assert!(stderr.contains("TLS error") && stderr.contains("UnknownIssuer"), "stderr: {stderr}");
+}
+
+#[test]
+fn consumes_from_a_cluster() {
+    let cluster = RedisCluster::start();
+    let mut conn = cluster.conn();
+    let stream = "outbox:order";
+    xadd(&mut conn, stream, &event_fields(&event_id(1), 1));
+    xadd(&mut conn, stream, &event_fields(&event_id(2), 2));
+    xadd(&mut conn, stream, &event_fields(&event_id(1), 1));
+    xadd(&mut conn, stream, &[("event_id".to_string(), "nope".to_string())]);
+
+    // The seed list as comma-separated full URLs.
+    let url = cluster.full_urls("");
+    let output = run(&[
+        "--redis-mode",
+        "cluster",
+        "--redis",
+        &url,
+        "--stream",
+        stream,
+        "--group",
+        GROUP,
+        "--block-ms",
+        "50",
+        "--idle-exit-ms",
+        "300",
+    ]);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
+    assert_eq!(printed_ids(&output), vec![event_id(1), event_id(2)]);
+    assert!(stderr.contains("processed 2, duplicates skipped 1, dead-lettered 1, malformed 1"), "stderr: {stderr}");
+    assert_eq!(pending_count(&mut conn, stream, GROUP), 0);
+    // Cluster mode's dedup key: hash-tagged with the stream.
+    let state: String = redis::cmd("GET")
+        .arg(format!("outbox:dedup:{GROUP}:{{{stream}}}:{}", event_id(2)))
+        .query(&mut conn)
+        .expect("GET");
+    assert_eq!(state, "done");
 }

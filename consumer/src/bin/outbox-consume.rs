@@ -2,15 +2,17 @@
 //! as one JSON line, deduplicated, with retries and dead-lettering as in the library.
 //!
 //! Exit codes: 0 after a clean stop (signal, `--max-events`, `--idle-exit-ms`), 1 when Redis or
-//! stdout fails, 2 for bad arguments. A summary goes to stderr on every exit but the usage ones.
+//! stdout fails, 2 for bad arguments or unusable files (password, certificates). A summary goes to
+//! stderr on every exit but the usage ones.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_consumer::{Consumer, ConsumerConfig, ConsumerError, Event, Stats};
+use outbox_consumer::{Consumer, ConsumerConfig, ConsumerError, Event, RedisMode, Stats};
 
 const USAGE: &str = "\
 usage: outbox-consume --redis URL --stream STREAM --group GROUP [options]
@@ -19,12 +21,24 @@ Reads outbox_pg events from STREAM as a member of consumer group GROUP and print
 as one JSON object per line on stdout. Duplicates (same event_id) are acknowledged and skipped.
 A summary is printed on stderr at exit. Ctrl-C or SIGTERM stops after the current event.
 
+URL: redis://[user:password@]host:port[/db] (rediss:// for TLS). With --redis-mode cluster, seed
+nodes: redis://[user:password@]host1:port1,host2:port2,... or comma-separated full URLs.
+
+connection:
+  --redis-mode MODE      standalone (default) or cluster
+  --password-file PATH   read the password from PATH (owner-only file), overriding the URL's
+  --tls-ca-file PATH     CA certificates (PEM) to verify the server with (default: system roots);
+                         the server's certificate is always verified; needs a rediss:// URL
+  --tls-cert-file PATH   client certificate (PEM) for mutual TLS; needs --tls-key-file
+  --tls-key-file PATH    client private key (PEM, owner-only file); needs --tls-cert-file
+
 options:
   --consumer NAME        consumer name in the group (default: <hostname>-<pid>)
   --batch N              entries per read, at least 1 (default 100)
   --block-ms N           how long one read blocks, in ms; 0 = do not block (default 1000)
   --dedup-ttl SECS       how long processed event_ids are remembered (default 86400)
-  --dedup-prefix PREFIX  dedup key prefix (default outbox:dedup:<group>)
+  --dedup-prefix PREFIX  dedup key prefix (default outbox:dedup:<group>); keys are
+                         PREFIX:<event_id>, in cluster mode PREFIX:{<stream>}:<event_id>
   --claim-idle-ms N      reclaim entries pending longer than this, in ms (default 30000)
   --max-deliveries N     dead-letter an entry after N failed deliveries (default 5)
   --dead-letter STREAM   dead-letter stream (default <stream>:dead)
@@ -139,6 +153,11 @@ fn install_signal_handlers(stop: &Arc<AtomicBool>) -> std::io::Result<()> {
 
 fn parse_args(mut raw: impl Iterator<Item = String>) -> Result<Args, ArgsError> {
     let mut redis = None;
+    let mut redis_mode = None;
+    let mut password_file = None;
+    let mut tls_ca_file = None;
+    let mut tls_cert_file = None;
+    let mut tls_key_file = None;
     let mut stream = None;
     let mut group = None;
     let mut consumer = None;
@@ -170,6 +189,16 @@ fn parse_args(mut raw: impl Iterator<Item = String>) -> Result<Args, ArgsError> 
         };
         match flag.as_str() {
             "--redis" => redis = Some(value()?),
+            "--redis-mode" => {
+                let text = value()?;
+                redis_mode = Some(text.parse::<RedisMode>().map_err(|_| {
+                    ArgsError::Invalid(format!("invalid value {text:?} for {flag}: expected standalone or cluster"))
+                })?);
+            }
+            "--password-file" => password_file = Some(path(&flag, value()?)?),
+            "--tls-ca-file" => tls_ca_file = Some(path(&flag, value()?)?),
+            "--tls-cert-file" => tls_cert_file = Some(path(&flag, value()?)?),
+            "--tls-key-file" => tls_key_file = Some(path(&flag, value()?)?),
             "--stream" => stream = Some(value()?),
             "--group" => group = Some(value()?),
             "--consumer" => consumer = Some(value()?),
@@ -197,6 +226,17 @@ fn parse_args(mut raw: impl Iterator<Item = String>) -> Result<Args, ArgsError> 
     };
     let mut config =
         ConsumerConfig::new(required(redis, "--redis")?, required(stream, "--stream")?, required(group, "--group")?);
+    if let Some(v) = redis_mode {
+        config.redis_mode = v;
+    }
+    config.password_file = password_file;
+    config.tls_ca_file = tls_ca_file;
+    config.tls_cert_file = tls_cert_file;
+    config.tls_key_file = tls_key_file;
+    if config.tls_cert_file.is_some() != config.tls_key_file.is_some() {
+        // Named by flag here; the library's message names the config fields.
+        return Err(ArgsError::Invalid("--tls-cert-file and --tls-key-file must be given together".to_string()));
+    }
     if let Some(v) = consumer {
         config.consumer_name = v;
     }
@@ -231,6 +271,13 @@ fn parse_args(mut raw: impl Iterator<Item = String>) -> Result<Args, ArgsError> 
         other => ArgsError::Invalid(other.to_string()),
     })?;
     Ok(Args { config, max_events, idle_exit: idle_exit_ms.map(Duration::from_millis) })
+}
+
+fn path(flag: &str, text: String) -> Result<PathBuf, ArgsError> {
+    if text.is_empty() {
+        return Err(ArgsError::Invalid(format!("{flag} must not be empty")));
+    }
+    Ok(PathBuf::from(text))
 }
 
 fn number(flag: &str, text: &str) -> Result<u64, ArgsError> {

@@ -1,0 +1,512 @@
+//! Reaching Redis: reading `redis_url` for the configured mode (one server, or a Redis Cluster's
+//! seed nodes), the password file, TLS certificates, and the one connection type the consumer
+//! uses whatever the topology.
+//!
+//! Files (password, certificates, key) are read at every (re)connect, so rotated files take effect
+//! at the next connection. No error text produced here contains a password.
+
+use std::fs;
+use std::path::Path;
+use std::time::Duration;
+
+use redis::cluster::{ClusterClientBuilder, ClusterConnection};
+use redis::{Cmd, ConnectionAddr, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisResult, Value};
+
+use crate::config::{ConsumerConfig, RedisMode};
+use crate::error::ConsumerError;
+
+/// How long establishing one connection (TCP, TLS, AUTH) may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// In cluster mode a dead node stays in the slot map until the cluster has failed over, and every
+/// slot-map refresh tries to connect to it: keep that attempt short.
+const CLUSTER_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Redirections (MOVED/ASK) and retries the cluster client handles by itself before a command
+/// fails. Few, and with short waits, so that a longer outage reaches [`crate::Consumer::run`],
+/// whose backoff watches the stop flag and whose reconnect rebuilds the slot map from scratch.
+const CLUSTER_RETRIES: u32 = 3;
+const CLUSTER_MIN_RETRY_WAIT_MS: u64 = 50;
+const CLUSTER_MAX_RETRY_WAIT_MS: u64 = 500;
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Added to the block timeout for the socket read timeout, so a blocking XREADGROUP is never
+/// cut short by the client while a dead server is still noticed.
+const READ_TIMEOUT_MARGIN: Duration = Duration::from_secs(10);
+
+/// A connection to a standalone server or to a cluster. Commands go through
+/// [`ConnectionLike`], so the consumer's code is the same for both; the cluster connection
+/// routes each command to the master of its key's slot and follows redirections.
+pub(crate) enum Connection {
+    Standalone(redis::Connection),
+    /// Boxed: it is several times the size of a single connection.
+    Cluster(Box<ClusterConnection>),
+}
+
+impl Connection {
+    /// Sends `commands` as one non-transactional pipeline and returns their replies in order.
+    /// The plain `redis::pipe()` is refused by a cluster connection (its commands could span
+    /// nodes), so cluster mode uses the cluster pipeline, which groups commands per node; the
+    /// consumer only pipelines commands on the stream's key, so that is one node.
+    pub(crate) fn pipeline(&mut self, commands: Vec<Cmd>) -> RedisResult<Vec<Value>> {
+        match self {
+            Connection::Standalone(conn) => {
+                let mut pipe = redis::pipe();
+                for command in commands {
+                    pipe.add_command(command);
+                }
+                pipe.query(conn)
+            }
+            Connection::Cluster(conn) => {
+                let mut pipe = redis::cluster::cluster_pipe();
+                for command in commands {
+                    pipe.add_command(command);
+                }
+                pipe.query(conn)
+            }
+        }
+    }
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command(&mut self, cmd: &[u8]) -> RedisResult<Value> {
+        match self {
+            Connection::Standalone(conn) => conn.req_packed_command(cmd),
+            Connection::Cluster(conn) => conn.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands(&mut self, cmd: &[u8], offset: usize, count: usize) -> RedisResult<Vec<Value>> {
+        match self {
+            Connection::Standalone(conn) => conn.req_packed_commands(cmd, offset, count),
+            Connection::Cluster(conn) => conn.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn req_command(&mut self, cmd: &Cmd) -> RedisResult<Value> {
+        // Delegated rather than left to the trait's default (which packs the command first), so
+        // that each connection type runs its own implementation.
+        match self {
+            Connection::Standalone(conn) => conn.req_command(cmd),
+            Connection::Cluster(conn) => conn.req_command(cmd),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Standalone(conn) => conn.get_db(),
+            Connection::Cluster(conn) => conn.get_db(),
+        }
+    }
+
+    fn supports_pipelining(&self) -> bool {
+        match self {
+            Connection::Standalone(conn) => conn.supports_pipelining(),
+            Connection::Cluster(conn) => conn.supports_pipelining(),
+        }
+    }
+
+    fn check_connection(&mut self) -> bool {
+        match self {
+            Connection::Standalone(conn) => conn.check_connection(),
+            Connection::Cluster(conn) => conn.check_connection(),
+        }
+    }
+
+    fn is_open(&self) -> bool {
+        match self {
+            Connection::Standalone(conn) => conn.is_open(),
+            Connection::Cluster(conn) => conn.is_open(),
+        }
+    }
+}
+
+/// Reads the files named by `config` and opens a connection for its mode, with the consumer's
+/// timeouts. `InvalidConfig` for unusable files or certificates, `Redis` for failures to connect.
+pub(crate) fn open(config: &ConsumerConfig) -> Result<Connection, ConsumerError> {
+    let mut nodes = node_infos(config).map_err(ConsumerError::InvalidConfig)?;
+    if let Some(path) = &config.password_file {
+        let password = read_password_file(path)?;
+        nodes = nodes
+            .into_iter()
+            .map(|info| {
+                let settings = info.redis_settings().clone().set_password(&password);
+                info.set_redis_settings(settings)
+            })
+            .collect();
+    }
+    let tls = nodes.iter().any(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. }));
+    if tls {
+        // rustls needs a process-wide crypto provider (the same one as the extension's); if one
+        // is installed already (by us or by the application), that one is used.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    let certificates = if tls { tls_certificates(config)? } else { None };
+    let read_timeout = config.block_timeout + READ_TIMEOUT_MARGIN;
+
+    match config.redis_mode {
+        RedisMode::Standalone => {
+            let info =
+                nodes.into_iter().next().ok_or_else(|| ConsumerError::InvalidConfig(invalid_url("names no server")))?;
+            let client = match certificates {
+                Some(certificates) => redis::Client::build_with_tls(info, certificates),
+                None => redis::Client::open(info),
+            }
+            .map_err(client_config_error)?;
+            let conn = client.get_connection_with_timeout(CONNECT_TIMEOUT).map_err(ConsumerError::redis("connect"))?;
+            conn.set_read_timeout(Some(read_timeout)).map_err(ConsumerError::redis("connect"))?;
+            conn.set_write_timeout(Some(WRITE_TIMEOUT)).map_err(ConsumerError::redis("connect"))?;
+            Ok(Connection::Standalone(conn))
+        }
+        RedisMode::Cluster => {
+            check_cluster_seed(&nodes, certificates.as_ref())?;
+            let mut builder = ClusterClientBuilder::new(nodes)
+                .connection_timeout(CLUSTER_CONNECT_TIMEOUT)
+                .response_timeout(read_timeout)
+                .retries(CLUSTER_RETRIES)
+                .min_retry_wait(CLUSTER_MIN_RETRY_WAIT_MS)
+                .max_retry_wait(CLUSTER_MAX_RETRY_WAIT_MS);
+            if let Some(certificates) = certificates {
+                builder = builder.certs(certificates);
+            }
+            let client = builder.build().map_err(client_config_error)?;
+            let conn = client.get_connection().map_err(ConsumerError::redis("connect"))?;
+            conn.set_write_timeout(Some(WRITE_TIMEOUT)).map_err(ConsumerError::redis("connect"))?;
+            Ok(Connection::Cluster(Box::new(conn)))
+        }
+    }
+}
+
+/// Asks the first seed node that accepts a connection (same credentials and TLS settings as the
+/// cluster client) for PING and CLUSTER SLOTS, the two commands the cluster client itself needs on
+/// every node. The cluster client reports their failures poorly: a refused PING as a network
+/// error of every node, a refused or empty CLUSTER SLOTS as "no connections found" later on.
+/// Here they become clear errors that are not mistaken for transient ones: a permission missing
+/// from the ACL user, a server that is not a cluster node, a wrong password, a TLS certificate
+/// problem. Seeds that cannot be reached are skipped; if none can, the cluster client reports
+/// them all.
+fn check_cluster_seed(
+    nodes: &[ConnectionInfo],
+    certificates: Option<&redis::TlsCertificates>,
+) -> Result<(), ConsumerError> {
+    for info in nodes {
+        let client = match certificates {
+            Some(certificates) => redis::Client::build_with_tls(info.clone(), certificates.clone()),
+            None => redis::Client::open(info.clone()),
+        }
+        .map_err(client_config_error)?;
+        let mut conn = match client.get_connection_with_timeout(CLUSTER_CONNECT_TIMEOUT) {
+            Ok(conn) => conn,
+            Err(source) => {
+                let error = ConsumerError::Redis { operation: "connect", source };
+                if error.is_transient() {
+                    continue;
+                }
+                return Err(error);
+            }
+        };
+        let _ = conn.set_read_timeout(Some(CLUSTER_CONNECT_TIMEOUT));
+        redis::cmd("PING").exec(&mut conn).map_err(ConsumerError::redis("PING"))?;
+        return match redis::cmd("CLUSTER").arg("SLOTS").query::<Value>(&mut conn) {
+            Ok(_) => Ok(()),
+            Err(e) if e.to_string().contains("cluster support disabled") => Err(ConsumerError::InvalidConfig(format!(
+                "redis_mode is cluster, but the server at {} is not a cluster node (cluster support disabled): use \
+                 standalone mode",
+                describe_addr(info.addr())
+            ))),
+            Err(source) => Err(ConsumerError::Redis { operation: "CLUSTER SLOTS", source }),
+        };
+    }
+    Ok(())
+}
+
+fn describe_addr(addr: &ConnectionAddr) -> String {
+    match addr {
+        ConnectionAddr::Tcp(host, port) | ConnectionAddr::TcpTls { host, port, .. } => format!("{host}:{port}"),
+        ConnectionAddr::Unix(path) => path.display().to_string(),
+        _ => "(unknown address)".to_string(),
+    }
+}
+
+/// Errors of building a client (before any connection) are configuration problems: bad PEM,
+/// nodes that disagree on credentials or TLS, ...
+fn client_config_error(error: redis::RedisError) -> ConsumerError {
+    ConsumerError::InvalidConfig(format!("cannot set up the Redis client: {error}"))
+}
+
+/// Checks `redis_url` against the mode and the TLS settings without connecting: it must parse,
+/// name one server (standalone) or only TCP nodes of one TLS mode and database 0 (cluster), must
+/// not ask to skip certificate verification, and must be `rediss://` if certificates are given.
+pub(crate) fn check_url(config: &ConsumerConfig) -> Result<(), String> {
+    node_infos(config).map(|_| ())
+}
+
+/// The parsed node addresses of `redis_url` for the mode (one for standalone), after the checks
+/// of [`check_url`].
+fn node_infos(config: &ConsumerConfig) -> Result<Vec<ConnectionInfo>, String> {
+    let url = config.redis_url.trim();
+    let urls = node_urls(url)?;
+    if config.redis_mode == RedisMode::Standalone && urls.len() > 1 {
+        return Err(format!(
+            "redis_url lists {} nodes, which is a Redis Cluster seed list: use cluster mode (--redis-mode cluster), \
+             or give one server",
+            urls.len()
+        ));
+    }
+    let mut infos = Vec::with_capacity(urls.len());
+    for (index, node) in urls.iter().enumerate() {
+        let info = node.as_str().into_connection_info().map_err(|_| {
+            let which = if urls.len() > 1 { format!(" (node {})", index + 1) } else { String::new() };
+            format!("redis_url is not a valid Redis URL{which}: {}", describe_location(node))
+        })?;
+        match info.addr() {
+            ConnectionAddr::TcpTls { insecure: true, .. } => return Err(invalid_url(
+                "asks for #insecure TLS; the server's certificate is always verified (give its CA with tls_ca_file)",
+            )),
+            ConnectionAddr::Unix(_) if config.redis_mode == RedisMode::Cluster => {
+                return Err(invalid_url("names a Unix socket; Redis Cluster nodes are reached over TCP"));
+            }
+            _ => {}
+        }
+        let settings = info.redis_settings();
+        if settings.username().is_some() && settings.password().is_none() && config.password_file.is_none() {
+            // The client would not authenticate at all and silently be the default user.
+            return Err(invalid_url(
+                "names a user but no password: put the password in the URL or, better, in password_file",
+            ));
+        }
+        if config.redis_mode == RedisMode::Cluster && settings.db() != 0 {
+            return Err(invalid_url("selects a database other than 0; Redis Cluster has database 0 only"));
+        }
+        infos.push(info);
+    }
+    let tls: Vec<bool> = infos.iter().map(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. })).collect();
+    if tls.iter().any(|&t| t) && !tls.iter().all(|&t| t) {
+        return Err(invalid_url("mixes rediss:// and redis:// nodes; use one scheme for all"));
+    }
+    let any_tls_file = config.tls_ca_file.is_some() || config.tls_cert_file.is_some() || config.tls_key_file.is_some();
+    if any_tls_file && !tls.first().copied().unwrap_or(false) {
+        // Better refuse than send in the clear what the operator meant to protect.
+        return Err(
+            "tls_ca_file, tls_cert_file or tls_key_file is set but redis_url is not a rediss:// URL".to_string()
+        );
+    }
+    Ok(infos)
+}
+
+fn invalid_url(what: &str) -> String {
+    format!("redis_url {what}")
+}
+
+/// Splits `redis_url` into one URL per node. Accepted: a single URL; the compact seed list
+/// `scheme://[user:password@]host1:port1,host2:port2[/db][?query]`, whose scheme, credentials and
+/// suffix apply to every node; comma-separated full URLs; or a mix. Commas inside credentials are
+/// fine: credentials end at the last `@`.
+pub(crate) fn node_urls(url: &str) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for piece in split_full_urls(url) {
+        let Some((scheme, rest)) = piece.split_once("://") else {
+            return Err(invalid_url("must start with redis://, rediss:// (TLS) or redis+unix://"));
+        };
+        let (credentials, after) = match rest.rfind('@') {
+            Some(at) => rest.split_at(at + 1),
+            None => ("", rest),
+        };
+        let hosts_end = after.find(['/', '?', '#']).unwrap_or(after.len());
+        let (hosts, suffix) = after.split_at(hosts_end);
+        if scheme.ends_with("+unix") || scheme == "unix" {
+            // A socket path has no host list to split.
+            out.push(piece.to_string());
+            continue;
+        }
+        for host in hosts.split(',') {
+            if host.trim().is_empty() {
+                return Err(invalid_url("has an empty node in its list"));
+            }
+            out.push(format!("{scheme}://{credentials}{}{suffix}", host.trim()));
+        }
+    }
+    if out.is_empty() {
+        return Err("redis_url must not be empty".to_string());
+    }
+    Ok(out)
+}
+
+/// Splits at the commas that start another full URL (`,scheme://`), keeping the rest intact.
+fn split_full_urls(url: &str) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    for (comma, _) in url.match_indices(',') {
+        let next = &url[comma + 1..];
+        let scheme_len = next.find("://").unwrap_or(0);
+        let is_scheme = scheme_len > 0
+            && next[..scheme_len].chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+        if is_scheme {
+            pieces.push(url[start..comma].trim());
+            start = comma + 1;
+        }
+    }
+    pieces.push(url[start..].trim());
+    pieces.into_iter().filter(|piece| !piece.is_empty()).collect()
+}
+
+/// What follows the credentials of a URL, up to any query: safe to show in an error.
+fn describe_location(url: &str) -> String {
+    let rest = url.find("://").map_or(url, |end| &url[end + 3..]);
+    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
+    let location = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    format!("{location:?}")
+}
+
+/// Reads the certificates named by the `tls_*` settings, or `None` when none is set (then the
+/// system's trust store verifies the server). The server's certificate and name are verified
+/// either way: nothing here can turn that off.
+fn tls_certificates(config: &ConsumerConfig) -> Result<Option<redis::TlsCertificates>, ConsumerError> {
+    let root_cert = match &config.tls_ca_file {
+        Some(path) => {
+            let pem = read_file("tls_ca_file", path)?;
+            // An empty or non-PEM CA file would make every handshake fail with an unhelpful
+            // "unknown issuer"; say what is wrong instead.
+            use rustls::pki_types::pem::PemObject;
+            let count = rustls::pki_types::CertificateDer::pem_slice_iter(&pem).filter(Result::is_ok).count();
+            if count == 0 {
+                return Err(ConsumerError::InvalidConfig(format!(
+                    "tls_ca_file \"{}\" contains no PEM certificate",
+                    path.display()
+                )));
+            }
+            Some(pem)
+        }
+        None => None,
+    };
+    let client_tls = match (&config.tls_cert_file, &config.tls_key_file) {
+        (Some(cert), Some(key)) => {
+            // The key is a secret, kept like the password file: owner-only.
+            check_private("tls_key_file", key)?;
+            Some(redis::ClientTlsConfig {
+                client_cert: read_file("tls_cert_file", cert)?,
+                client_key: read_file("tls_key_file", key)?,
+            })
+        }
+        (None, None) => None,
+        _ => {
+            return Err(ConsumerError::InvalidConfig(
+                "tls_cert_file and tls_key_file must be set together (mutual TLS needs both)".to_string(),
+            ))
+        }
+    };
+    if root_cert.is_none() && client_tls.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(redis::TlsCertificates { client_tls, root_cert }))
+}
+
+fn read_file(setting: &str, path: &Path) -> Result<Vec<u8>, ConsumerError> {
+    fs::read(path)
+        .map_err(|e| ConsumerError::InvalidConfig(format!("cannot read {setting} \"{}\": {e}", path.display())))
+}
+
+/// Refuses a secret file that its group or others may access, as libpq does for `.pgpass`: such
+/// a file may already have leaked, and refusing it makes the operator notice.
+#[cfg(unix)]
+fn check_private(setting: &str, path: &Path) -> Result<(), ConsumerError> {
+    use std::os::unix::fs::PermissionsExt;
+    let metadata = fs::metadata(path)
+        .map_err(|e| ConsumerError::InvalidConfig(format!("cannot read {setting} \"{}\": {e}", path.display())))?;
+    if metadata.permissions().mode() & 0o077 != 0 {
+        return Err(ConsumerError::InvalidConfig(format!(
+            "{setting} \"{}\" has group or world access; it must be accessible by its owner only (chmod 600)",
+            path.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Elsewhere there are no Unix permission bits to check.
+#[cfg(not(unix))]
+fn check_private(_setting: &str, _path: &Path) -> Result<(), ConsumerError> {
+    Ok(())
+}
+
+/// Reads the password from an owner-only file; trailing newlines (an editor's, or `echo`'s) are
+/// not part of it.
+fn read_password_file(path: &Path) -> Result<String, ConsumerError> {
+    check_private("password_file", path)?;
+    let contents = fs::read_to_string(path)
+        .map_err(|e| ConsumerError::InvalidConfig(format!("cannot read password_file \"{}\": {e}", path.display())))?;
+    let password = contents.trim_end_matches(['\r', '\n']);
+    if password.is_empty() {
+        return Err(ConsumerError::InvalidConfig(format!("password_file \"{}\" is empty", path.display())));
+    }
+    Ok(password.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(url: &str, mode: RedisMode) -> ConsumerConfig {
+        let mut c = ConsumerConfig::new(url, "outbox:order", "billing");
+        c.redis_mode = mode;
+        c
+    }
+
+    #[test]
+    fn compact_seed_list_shares_scheme_credentials_and_suffix() {
+        assert_eq!(
+            node_urls("redis://u:p@10.0.0.1:7000,10.0.0.2:7001/").expect("valid"),
+            vec!["redis://u:p@10.0.0.1:7000/", "redis://u:p@10.0.0.2:7001/"]
+        );
+        assert_eq!(node_urls("rediss://h1:1, h2:2").expect("valid"), vec!["rediss://h1:1", "rediss://h2:2"]);
+        // A comma (or an @) in the password does not split the list: credentials end at the last @.
+        assert_eq!(
+            node_urls("redis://u:a,b@c@h1:1,h2:2").expect("valid"),
+            vec!["redis://u:a,b@c@h1:1", "redis://u:a,b@c@h2:2"]
+        );
+        assert_eq!(node_urls("redis://[::1]:7000").expect("valid"), vec!["redis://[::1]:7000"]);
+    }
+
+    #[test]
+    fn full_url_lists_and_mixes() {
+        assert_eq!(node_urls("redis://a:1/,redis://b:2/").expect("valid"), vec!["redis://a:1/", "redis://b:2/"]);
+        assert_eq!(
+            node_urls("redis://u:p@a:1,b:2,redis://c:3").expect("valid"),
+            vec!["redis://u:p@a:1", "redis://u:p@b:2", "redis://c:3"]
+        );
+        assert!(node_urls("redis://a:1,,b:2").is_err());
+        assert!(node_urls("a:1").is_err());
+        assert!(node_urls("").is_err());
+    }
+
+    #[test]
+    fn url_checks_name_the_problem_and_never_the_password() {
+        let cases = [
+            ("redis://u:secret@a:1,b:2", RedisMode::Standalone, "cluster mode"),
+            ("rediss://u:secret@a:1/#insecure", RedisMode::Standalone, "#insecure"),
+            ("rediss://u:secret@a:1,redis://u:secret@b:2", RedisMode::Cluster, "mixes"),
+            ("redis://u:secret@a:1/3", RedisMode::Cluster, "database"),
+            ("redis+unix:///tmp/r.sock", RedisMode::Cluster, "Unix socket"),
+            ("http://u:secret@a:1", RedisMode::Standalone, "not a valid Redis URL"),
+            ("redis://u@a:1", RedisMode::Standalone, "no password"),
+        ];
+        for (url, mode, needle) in cases {
+            match check_url(&config(url, mode)) {
+                Err(message) => {
+                    assert!(message.contains(needle), "{url}: {message}");
+                    assert!(!message.contains("secret"), "{url}: {message}");
+                }
+                Ok(()) => panic!("{url} accepted"),
+            }
+        }
+        assert!(check_url(&config("redis://u:secret@a:1/0", RedisMode::Standalone)).is_ok());
+        assert!(check_url(&config("redis://a:1,b:2,c:3", RedisMode::Cluster)).is_ok());
+        assert!(check_url(&config("rediss://a:1/", RedisMode::Cluster)).is_ok());
+    }
+
+    #[test]
+    fn certificates_need_a_tls_url() {
+        let mut c = config("redis://127.0.0.1:6379/", RedisMode::Standalone);
+        c.tls_ca_file = Some("/tmp/ca.crt".into());
+        let message = check_url(&c).expect_err("plain URL with a CA file");
+        assert!(message.contains("rediss://"), "{message}");
+        c.redis_url = "rediss://127.0.0.1:6379/".to_string();
+        assert!(check_url(&c).is_ok());
+    }
+}
