@@ -32,7 +32,8 @@ cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo --all-targets -- 
 # The lib test binary runs first: it installs the extension (test build) into PostgreSQL's
 # directories and runs the unit tests and #[pg_test]s. The integration tests then use that install.
 echo "== cargo test"
-cargo test --no-default-features --features "$FEATURES" -- --test-threads="${TEST_THREADS:-2}" "$@"
+# --no-fail-fast: one failing test binary does not hide the results of the others.
+cargo test --no-fail-fast --no-default-features --features "$FEATURES" -- --test-threads="${TEST_THREADS:-2}" "$@"
 
 # The consumer library and CLI (no pgrx), against their own redis-servers.
 echo "== cargo test -p outbox-consumer"

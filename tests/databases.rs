@@ -105,7 +105,8 @@ fn every_database_with_the_extension_gets_its_own_relays_settings_and_stats() {
 
     // A plain DROP DATABASE succeeds: the relays step aside and are not started again.
     drop(billing);
-    admin.batch_execute("SET statement_timeout = '30s'; DROP DATABASE billing").unwrap();
+    admin.batch_execute("SET statement_timeout = '30s'").unwrap();
+    admin.batch_execute("DROP DATABASE billing").unwrap();
     wait_relays_in(&mut admin, "billing", 0);
     // And CREATE EXTENSION again brings shop's relays back.
     shop.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
