@@ -222,3 +222,19 @@ BEGIN
     RETURN true;
 END
 $fn$;
+
+-- outbox_enqueue in Rust (src/enqueue.rs): the same checks and the same row, through kept plans;
+-- SECURITY DEFINER without a pinned search_path (its statements qualify every name). Its SQL
+-- helper _prepare_enqueue is gone with the PL/pgSQL body.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb DEFAULT NULL,
+    stream         text  DEFAULT NULL
+) RETURNS uuid
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SECURITY DEFINER
+AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
+DROP FUNCTION outbox._prepare_enqueue(text, text, text, text);

@@ -1,7 +1,9 @@
-//! SQL-callable functions implemented in Rust. The public API (`outbox_enqueue`) is SQL in
-//! `src/sql/api.sql`; these are the pieces SQL cannot do itself. All live in schema `outbox`.
+//! SQL-callable functions implemented in Rust, all in schema `outbox`: the pieces SQL cannot do
+//! itself, the relays' status, and the checks `outbox_enqueue` (src/enqueue.rs) makes.
 
 use pgrx::prelude::*;
+
+pub(crate) use outbox::{check_allowed_stream, check_relayed_database};
 
 #[pg_schema]
 mod outbox {
@@ -9,7 +11,7 @@ mod outbox {
     use pgrx::pg_sys::panic::ErrorReport;
     use pgrx::prelude::*;
 
-    use crate::{claims, guc, shmem, wake};
+    use crate::{claims, guc, shmem};
 
     /// Generates a UUIDv7: time-ordered, so the unique index on `event_id` grows at its right edge
     /// (like the id index) instead of touching a random page per insert.
@@ -18,12 +20,9 @@ mod outbox {
         pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
     }
 
-    /// Called by `outbox_enqueue` before it inserts: refuses when no relay would deliver the event
-    /// (the library is not preloaded, or this is not the database the relay serves) or when its
-    /// stream is not one `outbox.allowed_streams` permits; arms the commit-time wake-up; returns
-    /// `outbox.max_payload_size` in bytes.
-    #[pg_extern(volatile, parallel_unsafe, name = "_prepare_enqueue")]
-    fn prepare_enqueue(aggregate_type: &str, aggregate_id: &str, event_type: &str, stream: Option<&str>) -> i32 {
+    /// Refuses, for `outbox_enqueue`, when no relay would deliver the event: the library is not
+    /// preloaded, or `outbox.databases` leaves this database out.
+    pub(crate) fn check_relayed_database() {
         if !crate::preloaded() {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
@@ -55,14 +54,14 @@ mod outbox {
                 .report(PgLogLevel::ERROR);
             }
         }
+    }
+
+    /// Refuses, for `outbox_enqueue`, a stream `outbox.allowed_streams` does not permit.
+    pub(crate) fn check_allowed_stream(aggregate_type: &str, event_type: &str, stream: Option<&str>) {
         let patterns = guc::allowed_streams();
         if !crate::streams::allows_every_stream(&patterns) {
             check_stream(&patterns, aggregate_type, event_type, stream);
         }
-        // Last, right before the caller draws the event's id: see src/order.rs.
-        crate::order::lock_aggregate(aggregate_type, aggregate_id);
-        wake::arm(crate::order::shard_of(aggregate_type, aggregate_id));
-        guc::max_payload_size()
     }
 
     /// Refuses a stream (given, or from the template) that `outbox.allowed_streams` does not allow.

@@ -3,7 +3,8 @@
 //! `outbox_enqueue()` writes an event in the caller's transaction; a background worker publishes
 //! committed events to Redis Streams. Module map:
 //! - `guc`: every `outbox.*` setting.
-//! - `api`: SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
+//! - `enqueue`: `outbox_enqueue`, the function on the application's path.
+//! - `api`: the other SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
 //! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
 //! - `order`: the shard of an aggregate, and the order lock that makes id order commit order.
 //! - `claims`: what each relay has in flight (shared memory), for the stats.
@@ -21,6 +22,7 @@ use pgrx::prelude::*;
 
 mod api;
 mod claims;
+mod enqueue;
 mod entry;
 mod guc;
 mod logredact;

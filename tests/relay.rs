@@ -554,7 +554,15 @@ fn shards_of_an_exited_process_are_taken_over_and_delivered() {
 fn switching_from_one_broken_redis_to_another_is_reported_as_a_new_outage() {
     let env = Env::start(&["outbox.redis_timeout = '500ms'"]);
     let mut client = env.pg.connect();
+    // The relay is connected to the working Redis first; pg_reload_conf() only signals, so the
+    // test waits until the relay has dropped that connection for the new URL before enqueueing.
+    enqueue(&mut client, "switch", "0", "{}");
+    env.redis.wait_for_entries("outbox:switch", 1);
     env.pg.set(&mut client, &[("outbox.redis_url", "redis://127.0.0.1:1")]);
+    wait_for(DEADLINE, "the relay to apply the new URL", || {
+        let connected: bool = client.query_one("SELECT redis_connected FROM outbox.stats", &[]).unwrap().get(0);
+        (!connected).then_some(())
+    });
     enqueue(&mut client, "switch", "1", "{}");
     wait_for(DEADLINE, "the first outage", || {
         env.pg.log().contains("cannot publish to Redis at 127.0.0.1:1:").then_some(())
@@ -564,7 +572,7 @@ fn switching_from_one_broken_redis_to_another_is_reported_as_a_new_outage() {
         env.pg.log().contains("cannot publish to Redis at 127.0.0.1:2:").then_some(())
     });
     env.pg.set(&mut client, &[("outbox.redis_url", &env.redis.url())]);
-    env.redis.wait_for_entries("outbox:switch", 1);
+    env.redis.wait_for_entries("outbox:switch", 2);
     assert_eq!(env.pg.log().matches("cannot publish to Redis at 127.0.0.1:1:").count(), 1);
 }
 

@@ -12,139 +12,14 @@ CREATE FUNCTION @extschema@.outbox_enqueue(
     headers        jsonb DEFAULT NULL,
     stream         text  DEFAULT NULL
 ) RETURNS uuid
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
--- Writers (role outbox_writer) need no privilege on the table, so they cannot read other writers'
--- payloads; every name below is schema-qualified and the search_path is pinned.
+-- src/enqueue.rs: the argument checks, the order lock, and one insert into the log's current
+-- table through plans kept for the session.
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+-- Writers (role outbox_writer) need no privilege on the log, so they cannot read other writers'
+-- payloads. No pinned search_path (it would cost a GUC save and restore on every call): the
+-- function's statements schema-qualify every name, operators included.
 SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    payload_limit integer;
-    payload_bytes integer;
-    headers_bytes integer;
-    writer_txid   xid8;
-    target        smallint;
-    event_shard   smallint;
-    new_event_id  uuid;
-BEGIN
-    IF outbox_enqueue.aggregate_type IS NULL THEN
-        RAISE EXCEPTION 'outbox_enqueue: aggregate_type must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass the kind of entity the event is about, e.g. ''payment''.';
-    ELSIF outbox_enqueue.aggregate_type = '' THEN
-        RAISE EXCEPTION 'outbox_enqueue: aggregate_type must not be empty (got '''')'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass the kind of entity the event is about, e.g. ''payment''.';
-    ELSIF octet_length(outbox_enqueue.aggregate_type) > 255 THEN
-        RAISE EXCEPTION 'outbox_enqueue: aggregate_type is % bytes long (starts with %), the limit is 255 bytes',
-                octet_length(outbox_enqueue.aggregate_type), quote_literal(left(outbox_enqueue.aggregate_type, 40))
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'aggregate_type names a kind of entity, e.g. ''payment''; put data in the payload.';
-    END IF;
-    IF outbox_enqueue.aggregate_id IS NULL THEN
-        RAISE EXCEPTION 'outbox_enqueue: aggregate_id must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass the id of the entity the event is about (text, bigint or uuid).';
-    ELSIF outbox_enqueue.aggregate_id = '' THEN
-        RAISE EXCEPTION 'outbox_enqueue: aggregate_id must not be empty (got '''')'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass the id of the entity the event is about (text, bigint or uuid).';
-    ELSIF octet_length(outbox_enqueue.aggregate_id) > 1024 THEN
-        RAISE EXCEPTION 'outbox_enqueue: aggregate_id is % bytes long (starts with %), the limit is 1024 bytes',
-                octet_length(outbox_enqueue.aggregate_id), quote_literal(left(outbox_enqueue.aggregate_id, 40))
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass the id of the entity the event is about (text, bigint or uuid); put data in the payload.';
-    END IF;
-    IF outbox_enqueue.event_type IS NULL THEN
-        RAISE EXCEPTION 'outbox_enqueue: event_type must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass what happened, e.g. ''payment.created''.';
-    ELSIF outbox_enqueue.event_type = '' THEN
-        RAISE EXCEPTION 'outbox_enqueue: event_type must not be empty (got '''')'
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass what happened, e.g. ''payment.created''.';
-    ELSIF octet_length(outbox_enqueue.event_type) > 255 THEN
-        RAISE EXCEPTION 'outbox_enqueue: event_type is % bytes long (starts with %), the limit is 255 bytes',
-                octet_length(outbox_enqueue.event_type), quote_literal(left(outbox_enqueue.event_type, 40))
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'event_type names what happened, e.g. ''payment.created''; put data in the payload.';
-    END IF;
-    IF outbox_enqueue.payload IS NULL THEN
-        RAISE EXCEPTION 'outbox_enqueue: payload must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass a jsonb value; use ''null''::jsonb for an event without a body.';
-    END IF;
-    IF outbox_enqueue.headers IS NOT NULL THEN
-        IF jsonb_typeof(outbox_enqueue.headers) <> 'object' THEN
-            RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, got a JSON %: %',
-                    jsonb_typeof(outbox_enqueue.headers), left(outbox_enqueue.headers::text, 100)
-                USING ERRCODE = 'invalid_parameter_value',
-                      HINT = 'Pass e.g. ''{"trace_id": "abc"}''::jsonb, or NULL for no headers.';
-        END IF;
-        headers_bytes := octet_length(outbox_enqueue.headers::text);
-        IF headers_bytes > 65536 THEN
-            RAISE EXCEPTION 'outbox_enqueue: headers are % bytes as JSON text (starts with %), the limit is 65536 bytes',
-                    headers_bytes, left(outbox_enqueue.headers::text, 40)
-                USING ERRCODE = 'program_limit_exceeded',
-                      HINT = 'Headers carry small metadata such as trace ids; put data in the payload.';
-        END IF;
-    END IF;
-    IF outbox_enqueue.stream IS NOT NULL THEN
-        IF outbox_enqueue.stream = '' THEN
-            RAISE EXCEPTION 'outbox_enqueue: stream must not be empty (got '''')'
-                USING ERRCODE = 'invalid_parameter_value',
-                      HINT = 'Pass NULL to use the outbox.stream template, or a Redis key of 1 to 512 bytes.';
-        ELSIF octet_length(outbox_enqueue.stream) > 512 THEN
-            RAISE EXCEPTION 'outbox_enqueue: stream is % bytes long (starts with %), the limit is 512 bytes',
-                    octet_length(outbox_enqueue.stream), quote_literal(left(outbox_enqueue.stream, 40))
-                USING ERRCODE = 'invalid_parameter_value',
-                      HINT = 'Pass NULL to use the outbox.stream template, or a Redis key of 1 to 512 bytes.';
-        END IF;
-    END IF;
-
-    -- Checks that a relay will deliver the event (the library is preloaded and relays this
-    -- database) and that its stream is one outbox.allowed_streams permits, arms the commit-time
-    -- wake-up of the relay, and returns outbox.max_payload_size in bytes.
-    -- It also takes the aggregate's order lock: enqueues of one aggregate take turns until commit,
-    -- so within an aggregate the id drawn below follows commit order.
-    payload_limit := outbox._prepare_enqueue(outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id,
-                                             outbox_enqueue.event_type, outbox_enqueue.stream);
-    -- The limit applies to what is sent to Redis: the payload's JSON text.
-    payload_bytes := octet_length(outbox_enqueue.payload::text);
-    IF payload_bytes > payload_limit THEN
-        RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, larger than outbox.max_payload_size (% bytes)',
-                payload_bytes, payload_limit
-            USING ERRCODE = 'program_limit_exceeded',
-                  HINT = 'Put large documents elsewhere and send a reference in the event, or have a superuser raise outbox.max_payload_size.';
-    END IF;
-
-    -- The transaction id before the generation: a writer that read a generation just before it was
-    -- switched already had its transaction id then, which is how retention knows when no writer
-    -- can be left on a closed table (outbox._rotate).
-    writer_txid := pg_catalog.pg_current_xact_id();
-    SELECT g.generation INTO target FROM outbox.generations g WHERE g.state = 'current';
-    event_shard := outbox._shard_of(outbox_enqueue.aggregate_type, outbox_enqueue.aggregate_id);
-    new_event_id := outbox.uuid_generate_v7();
-    -- One statement per table, so that each keeps its plan (no dynamic SQL on this path).
-    IF target = 0 THEN
-        INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-        VALUES (writer_txid, event_shard, nextval('outbox.events_id_seq'), new_event_id, outbox_enqueue.aggregate_type,
-                outbox_enqueue.aggregate_id, outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers,
-                outbox_enqueue.stream, clock_timestamp());
-    ELSIF target = 1 THEN
-        INSERT INTO outbox.events_1 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-        VALUES (writer_txid, event_shard, nextval('outbox.events_id_seq'), new_event_id, outbox_enqueue.aggregate_type,
-                outbox_enqueue.aggregate_id, outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers,
-                outbox_enqueue.stream, clock_timestamp());
-    ELSE
-        INSERT INTO outbox.events_2 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-        VALUES (writer_txid, event_shard, nextval('outbox.events_id_seq'), new_event_id, outbox_enqueue.aggregate_type,
-                outbox_enqueue.aggregate_id, outbox_enqueue.event_type, outbox_enqueue.payload, outbox_enqueue.headers,
-                outbox_enqueue.stream, clock_timestamp());
-    END IF;
-    RETURN new_event_id;
-END
-$fn$;
+AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
 
 COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) IS
     'Writes one event to the outbox log in the caller''s transaction and returns its event_id; the relay publishes it to Redis after commit';

@@ -267,6 +267,5 @@ GRANT SELECT ON outbox.stats TO outbox_admin, pg_monitor;
 GRANT USAGE ON SCHEMA outbox TO pg_monitor;
 
 -- The Rust helpers the SQL above calls (created by the Rust code, hence granted here).
-REVOKE ALL ON FUNCTION outbox._prepare_enqueue(text, text, text, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._shard_of(text, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._enqueue_in_progress(text, text) FROM PUBLIC;

@@ -75,7 +75,7 @@ $roles$;
 -- -------------------------------------------------------------------------------------------------
 
 -- Ascending across the three tables: within an aggregate, id order is commit order (enqueues of
--- one aggregate take turns, see outbox._prepare_enqueue), and the relay sends in id order.
+-- one aggregate take turns, see src/order.rs), and the relay sends in id order.
 CREATE SEQUENCE outbox.events_id_seq AS bigint;
 
 DO $tables$
