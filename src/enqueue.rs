@@ -1,13 +1,18 @@
 //! `outbox_enqueue`, the one function on the application's path, in Rust: it validates its
 //! arguments (each refusal a SQLSTATE, a message naming the bad value, and a hint), checks that a
 //! relay will deliver the event, takes the aggregate's order lock, and appends one row to the
-//! current table of the log through plans prepared once per session. The SQL declaration, its
-//! privileges and its bigint/uuid overloads are in `src/sql/api.sql`.
+//! current table of the log. The SQL declaration, its privileges and its bigint/uuid overloads are
+//! in `src/sql/api.sql`.
+//!
+//! The row is inserted the way PostgreSQL inserts catalog rows (`CatalogTupleInsert`: the heap,
+//! then each index), not through an INSERT statement: on this path an executor start-up per
+//! statement cost more than the insert itself (docs/performance.md). That holds as long as the
+//! table is as the extension made it; a table someone changed (a trigger, an expression index)
+//! gets a kept INSERT plan instead, which honours everything the executor does.
 //!
 //! It is `SECURITY DEFINER` (writers have no privilege on the log) without a pinned `search_path`:
-//! pinning one costs a GUC save and restore, and a search-path recomputation, on every call. It
-//! needs none: every name in its two statements is schema-qualified, operators included, so the
-//! caller's `search_path` resolves nothing in them.
+//! pinning one costs a GUC save and restore on every call. It needs none: it looks up its objects
+//! by schema and name, and its INSERT statements qualify every name.
 
 use std::cell::Cell;
 use std::ffi::{c_char, CStr};
@@ -25,30 +30,38 @@ const ID_LIMIT: usize = 1024;
 const STREAM_LIMIT: usize = 512;
 const HEADERS_LIMIT: usize = 65536;
 
-const GENERATION: &CStr =
-    c"SELECT g.generation FROM outbox.generations g WHERE g.state OPERATOR(pg_catalog.=) 'current'::pg_catalog.text";
-
-/// The insert into each log table: one statement per table, so that each keeps its plan.
+/// The insert into each log table, for the executor path (see `insert`): one statement per table,
+/// so that each keeps its plan.
 const INSERTS: [&CStr; 3] = [
     c"INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-      VALUES ($1, $2, pg_catalog.nextval('outbox.events_id_seq'::pg_catalog.regclass), $3, $4, $5, $6, $7, $8, $9, pg_catalog.clock_timestamp())",
+      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     c"INSERT INTO outbox.events_1 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-      VALUES ($1, $2, pg_catalog.nextval('outbox.events_id_seq'::pg_catalog.regclass), $3, $4, $5, $6, $7, $8, $9, pg_catalog.clock_timestamp())",
+      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     c"INSERT INTO outbox.events_2 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-      VALUES ($1, $2, pg_catalog.nextval('outbox.events_id_seq'::pg_catalog.regclass), $3, $4, $5, $6, $7, $8, $9, pg_catalog.clock_timestamp())",
+      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+];
+const TABLES: [&CStr; 3] = [c"events_0", c"events_1", c"events_2"];
+
+/// The log tables' columns, in order, as src/sql/schema.sql makes them.
+const COLUMN_TYPES: [pg_sys::Oid; 11] = [
+    pg_sys::XID8OID,
+    pg_sys::INT2OID,
+    pg_sys::INT8OID,
+    pg_sys::UUIDOID,
+    pg_sys::TEXTOID,
+    pg_sys::TEXTOID,
+    pg_sys::TEXTOID,
+    pg_sys::JSONBOID,
+    pg_sys::JSONBOID,
+    pg_sys::TEXTOID,
+    pg_sys::TIMESTAMPTZOID,
 ];
 
-/// This session's kept plans (`SPI_keepplan`): the generation read, then the three inserts. A
-/// kept plan is re-planned by PostgreSQL when what it refers to changes (a `DROP EXTENSION` and
-/// `CREATE EXTENSION` in the same session included), so it never goes stale.
-#[derive(Clone, Copy)]
-struct Plans {
-    generation: pg_sys::SPIPlanPtr,
-    inserts: [pg_sys::SPIPlanPtr; 3],
-}
-
 thread_local! {
-    static PLANS: Cell<Option<Plans>> = const { Cell::new(None) };
+    /// This session's kept plans of the three inserts (`SPI_keepplan`), prepared the first time
+    /// the executor path is taken. A kept plan is re-planned by PostgreSQL when what it refers to
+    /// changes, so it never goes stale.
+    static PLANS: Cell<Option<[pg_sys::SPIPlanPtr; 3]>> = const { Cell::new(None) };
 }
 
 /// Prepares and keeps one statement; inside an SPI connection.
@@ -65,34 +78,200 @@ unsafe fn keep(query: &CStr, types: &mut [pg_sys::Oid]) -> pg_sys::SPIPlanPtr {
     }
 }
 
-fn plans() -> Plans {
-    if let Some(plans) = PLANS.get() {
-        return plans;
+/// The `outbox` schema's OID; an error naming the problem when the extension is not installed.
+unsafe fn outbox_schema() -> pg_sys::Oid {
+    // SAFETY: a syscache lookup; missing_ok, so it returns InvalidOid rather than raising.
+    let schema = unsafe { pg_sys::get_namespace_oid(c"outbox".as_ptr(), true) };
+    if schema == pg_sys::InvalidOid {
+        refuse(
+            PgSqlErrorCode::ERRCODE_INVALID_SCHEMA_NAME,
+            "outbox_enqueue: schema \"outbox\" does not exist".into(),
+            "Run CREATE EXTENSION outbox_pg in this database.",
+        );
     }
-    let mut insert_types = [
-        pg_sys::XID8OID,
-        pg_sys::INT2OID,
-        pg_sys::UUIDOID,
-        pg_sys::TEXTOID,
-        pg_sys::TEXTOID,
-        pg_sys::TEXTOID,
-        pg_sys::JSONBOID,
-        pg_sys::JSONBOID,
-        pg_sys::TEXTOID,
-    ];
-    // SAFETY: called inside SPI_connect (see `outbox_enqueue`).
-    let plans = unsafe {
-        Plans {
-            generation: keep(GENERATION, &mut []),
-            inserts: [
-                keep(INSERTS[0], &mut insert_types),
-                keep(INSERTS[1], &mut insert_types),
-                keep(INSERTS[2], &mut insert_types),
-            ],
+    schema
+}
+
+/// A table of schema `outbox` by name.
+unsafe fn outbox_table(schema: pg_sys::Oid, name: &CStr) -> pg_sys::Oid {
+    // SAFETY: a syscache lookup.
+    let table = unsafe { pg_sys::get_relname_relid(name.as_ptr(), schema) };
+    if table == pg_sys::InvalidOid {
+        error!("outbox_enqueue: table outbox.{} does not exist", name.to_string_lossy());
+    }
+    table
+}
+
+/// Which log table is current, read from `outbox.generations` with a snapshot taken now, after
+/// the transaction id was assigned (whatever the caller's isolation level): a writer that read a
+/// generation just before it was switched already had its transaction id then, which is how
+/// retention knows when no writer can be left on a closed table (outbox._rotate). Read through the
+/// index holding only the current row, not by a statement (an executor start-up costs more than
+/// the read) nor a heap scan (which asks the kernel for the table's size every time).
+unsafe fn current_generation(schema: pg_sys::Oid) -> i16 {
+    // SAFETY: inside a transaction; the relation is opened and closed here, the registered
+    // snapshot outlives the scan, and each tuple is read only while the scan is on it.
+    unsafe {
+        let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
+        let relation = pg_sys::table_open(outbox_table(schema, c"generations"), lock);
+        let current_index = outbox_table(schema, c"generations_one_current");
+        let descriptor = (*relation).rd_att;
+        let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
+        let scan = pg_sys::systable_beginscan(relation, current_index, true, snapshot, 0, std::ptr::null_mut());
+        let mut current = None;
+        loop {
+            let tuple = pg_sys::systable_getnext(scan);
+            if tuple.is_null() {
+                break;
+            }
+            let (mut generation_null, mut state_null) = (false, false);
+            let generation = pg_sys::fastgetattr(tuple, 1, descriptor, &mut generation_null);
+            let state = pg_sys::fastgetattr(tuple, 2, descriptor, &mut state_null);
+            if !generation_null && !state_null && text_equals(state, b"current") {
+                current = Some(generation.value() as i16);
+                break;
+            }
         }
+        pg_sys::systable_endscan(scan);
+        pg_sys::UnregisterSnapshot(snapshot);
+        pg_sys::table_close(relation, lock);
+        match current {
+            Some(generation @ 0..=2) => generation,
+            _ => error!("outbox_enqueue: outbox.generations names no current table 0, 1 or 2"),
+        }
+    }
+}
+
+/// Whether a text datum holds exactly `expected`.
+unsafe fn text_equals(datum: pg_sys::Datum, expected: &[u8]) -> bool {
+    // SAFETY: a non-NULL text datum; detoasted (a copy only if it was toasted) and read in place.
+    unsafe {
+        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        let len = pgrx::varlena::varsize_any_exhdr(text);
+        std::slice::from_raw_parts(pgrx::varlena::vardata_any(text) as *const u8, len) == expected
+    }
+}
+
+/// Whether a log table is still as src/sql/schema.sql made it (its columns, no trigger, rule,
+/// row security or CHECK constraint, and plain-column indexes only): then a row is inserted
+/// directly, as `CatalogTupleInsert` does. Anything else (a DBA's audit trigger, an expression
+/// index) goes through the executor, which knows how to honour it.
+unsafe fn insertable_directly(relation: pg_sys::Relation, indexes: pg_sys::CatalogIndexState) -> bool {
+    // SAFETY: an open relation and its open indexes.
+    unsafe {
+        let rel = &*relation;
+        let form = &*rel.rd_rel;
+        let descriptor = &*rel.rd_att;
+        if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char
+            || !rel.trigdesc.is_null()
+            || !rel.rd_rules.is_null()
+            || form.relrowsecurity
+            || descriptor.natts != COLUMN_TYPES.len() as i32
+            || (!descriptor.constr.is_null() && (*descriptor.constr).num_check > 0)
+        {
+            return false;
+        }
+        let attributes = descriptor.attrs.as_slice(COLUMN_TYPES.len());
+        if attributes.iter().zip(COLUMN_TYPES).any(|(attribute, expected)| {
+            attribute.attisdropped || attribute.atttypid != expected || attribute.attgenerated != 0
+        }) {
+            return false;
+        }
+        let state = &*indexes;
+        (0..state.ri_NumIndices as usize).all(|n| {
+            let info = &**state.ri_IndexRelationInfo.add(n);
+            let index = &**state.ri_IndexRelationDescs.add(n);
+            info.ii_Expressions.is_null()
+                && info.ii_Predicate.is_null()
+                && info.ii_ExclusionOps.is_null()
+                && (*index.rd_index).indimmediate
+        })
+    }
+}
+
+/// Appends the row (`values`, in the columns' order) to log table `generation`: directly when the
+/// table is as the extension made it, else through the executor with a kept plan.
+unsafe fn insert(schema: pg_sys::Oid, generation: i16, values: &mut [pg_sys::Datum; 11], nulls: &mut [bool; 11]) {
+    // SAFETY: inside a transaction, as the function's owner (SECURITY DEFINER). The relation and
+    // its indexes are opened and closed here; the lock is kept to the end of the transaction, as
+    // an INSERT keeps it.
+    unsafe {
+        let table = outbox_table(schema, TABLES[generation as usize]);
+        if pg_sys::pg_class_aclcheck(table, pg_sys::GetUserId(), pg_sys::ACL_INSERT as pg_sys::AclMode)
+            != pg_sys::AclResult::ACLCHECK_OK
+        {
+            error!("outbox_enqueue: the function's owner may not insert into outbox.events_{generation}");
+        }
+        let relation = pg_sys::table_open(table, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+        let indexes = pg_sys::CatalogOpenIndexes(relation);
+        let direct = insertable_directly(relation, indexes);
+        if direct {
+            let tuple = pg_sys::heap_form_tuple((*relation).rd_att, values.as_mut_ptr(), nulls.as_mut_ptr());
+            pg_sys::CatalogTupleInsertWithInfo(relation, tuple, indexes);
+            pg_sys::heap_freetuple(tuple);
+        }
+        pg_sys::CatalogCloseIndexes(indexes);
+        pg_sys::table_close(relation, pg_sys::NoLock as pg_sys::LOCKMODE);
+        if !direct {
+            insert_with_executor(generation, values, nulls);
+        }
+    }
+}
+
+/// The executor path of `insert`: the same row through a kept plan.
+unsafe fn insert_with_executor(generation: i16, values: &mut [pg_sys::Datum; 11], nulls: &[bool; 11]) {
+    // SAFETY: SPI connected and finished here; the values outlive the call.
+    unsafe {
+        if pg_sys::SPI_connect() != pg_sys::SPI_OK_CONNECT as i32 {
+            error!("outbox_enqueue: SPI_connect failed");
+        }
+        let plans = match PLANS.get() {
+            Some(plans) => plans,
+            None => {
+                let mut types = COLUMN_TYPES;
+                let plans = [keep(INSERTS[0], &mut types), keep(INSERTS[1], &mut types), keep(INSERTS[2], &mut types)];
+                PLANS.set(Some(plans));
+                plans
+            }
+        };
+        let flags: Vec<c_char> = nulls.iter().map(|&null| if null { b'n' } else { b' ' } as c_char).collect();
+        if pg_sys::SPI_execute_plan(plans[generation as usize], values.as_mut_ptr(), flags.as_ptr(), false, 0)
+            != pg_sys::SPI_OK_INSERT as i32
+        {
+            error!("outbox_enqueue: the insert into outbox.events_{generation} failed");
+        }
+        pg_sys::SPI_finish();
+    }
+}
+
+/// A UUIDv7 for a new event: the Unix time in milliseconds, then 74 random bits from a generator
+/// seeded once per session from the operating system's randomness (drawing from the operating
+/// system for every event was a system call on the application's path). Time-ordered, so the
+/// `event_id` index grows at its right edge.
+fn new_event_id() -> uuid::Uuid {
+    thread_local! {
+        static STATE: Cell<u64> = Cell::new({
+            let seed = uuid::Uuid::now_v7();
+            let bytes = seed.as_bytes();
+            u64::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11], bytes[12], bytes[13], bytes[14], bytes[15]])
+                ^ (std::process::id() as u64).rotate_left(40)
+        });
+    }
+    // splitmix64: every state gives a distinct output, and sessions start from unrelated states.
+    let next = || {
+        let state = STATE.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+        STATE.set(state);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
     };
-    PLANS.set(Some(plans));
-    plans
+    let (high, low) = (next().to_le_bytes(), next().to_le_bytes());
+    let random = [high[0], high[1], high[2], high[3], high[4], high[5], high[6], high[7], low[0], low[1]];
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_millis() as u64);
+    uuid::Builder::from_unix_timestamp_millis(millis, &random).into_uuid()
 }
 
 /// Raises an error with a SQLSTATE, a message and a hint.
@@ -292,62 +471,38 @@ fn outbox_enqueue(
     order::lock_aggregate(aggregate_type, aggregate_id);
     let shard = order::shard_of(aggregate_type, aggregate_id);
     wake::arm(shard);
-    let event_id = uuid::Uuid::now_v7();
-    // The transaction id before the generation: a writer that read a generation just before it was
-    // switched already had its transaction id then, which is how retention knows when no writer can
-    // be left on a closed table (outbox._rotate).
+    let event_id = new_event_id();
+    // The transaction id before the generation (see `current_generation`).
     // SAFETY: inside a transaction; assigns its id if it has none yet.
     let txid = unsafe { pg_sys::GetTopFullTransactionId() }.value;
     let event_id_datum = pgrx::Uuid::from_bytes(*event_id.as_bytes());
-    // SAFETY: SPI connected and finished here; the values outlive the calls; the text datums are
-    // built in the current memory context, which lives until the function returns.
+    // SAFETY: the datums are built in the current memory context, which lives until the function
+    // returns; the sequence and the tables belong to the installed extension.
     unsafe {
-        if pg_sys::SPI_connect() != pg_sys::SPI_OK_CONNECT as i32 {
-            error!("outbox_enqueue: SPI_connect failed");
-        }
-        let plans = plans();
-        // A fresh snapshot, taken after the transaction id: see above.
-        if pg_sys::SPI_execute_plan(plans.generation, std::ptr::null_mut(), std::ptr::null(), false, 1)
-            != pg_sys::SPI_OK_SELECT as i32
-            || pg_sys::SPI_processed != 1
-        {
-            error!("outbox_enqueue: outbox.generations has no current table");
-        }
-        let table = &*pg_sys::SPI_tuptable;
-        let mut is_null = false;
-        let generation = pg_sys::SPI_getbinval(*table.vals, table.tupdesc, 1, &mut is_null).value() as i16;
-        let Some(&insert) = plans.inserts.get(generation as usize) else {
-            error!("outbox_enqueue: outbox.generations names table {generation}, not 0, 1 or 2");
-        };
-        let text = |value: &str| pgrx::IntoDatum::into_datum(value).unwrap_or(pg_sys::Datum::from(0));
+        let schema = outbox_schema();
+        let generation = current_generation(schema);
+        let sequence = outbox_table(schema, c"events_id_seq");
+        let id =
+            pg_sys::OidFunctionCall1Coll(pg_sys::Oid::from(pg_sys::F_NEXTVAL), pg_sys::InvalidOid, sequence.into());
+        let text = |value: &str| value.into_datum().unwrap_or(pg_sys::Datum::from(0));
+        let null = pg_sys::Datum::from(0);
         let mut values = [
             pg_sys::Datum::from(txid),
-            shard.into_datum().unwrap_or(pg_sys::Datum::from(0)),
-            pgrx::IntoDatum::into_datum(event_id_datum).unwrap_or(pg_sys::Datum::from(0)),
+            shard.into_datum().unwrap_or(null),
+            id,
+            event_id_datum.into_datum().unwrap_or(null),
             text(aggregate_type),
             text(aggregate_id),
             text(event_type),
             payload,
-            headers.unwrap_or(pg_sys::Datum::from(0)),
-            stream.map(text).unwrap_or(pg_sys::Datum::from(0)),
+            headers.unwrap_or(null),
+            stream.map(text).unwrap_or(null),
+            pg_sys::Datum::from(pg_sys::GetCurrentTimestamp()),
         ];
-        let nulls: [c_char; 9] = [
-            b' ' as c_char,
-            b' ' as c_char,
-            b' ' as c_char,
-            b' ' as c_char,
-            b' ' as c_char,
-            b' ' as c_char,
-            b' ' as c_char,
-            if headers.is_some() { b' ' } else { b'n' } as c_char,
-            if stream.is_some() { b' ' } else { b'n' } as c_char,
-        ];
-        if pg_sys::SPI_execute_plan(insert, values.as_mut_ptr(), nulls.as_ptr(), false, 0)
-            != pg_sys::SPI_OK_INSERT as i32
-        {
-            error!("outbox_enqueue: the insert into outbox.events_{generation} failed");
-        }
-        pg_sys::SPI_finish();
+        let mut nulls = [false; 11];
+        nulls[8] = headers.is_none();
+        nulls[9] = stream.is_none();
+        insert(schema, generation, &mut values, &mut nulls);
     }
     event_id_datum
 }

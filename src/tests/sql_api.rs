@@ -61,6 +61,40 @@ fn enqueue_stores_one_pending_row_and_returns_its_event_id() {
 }
 
 #[pg_test]
+fn enqueue_finds_its_row_through_both_indexes() {
+    // The row is inserted beside the executor (src/enqueue.rs): its index entries must be there.
+    let event_id = Spi::get_one::<pgrx::Uuid>("SELECT outbox_enqueue('idx', 'a', 'e', '{}')").unwrap().unwrap();
+    Spi::run("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off").unwrap();
+    let by_event_id = Spi::get_one_with_args::<i64>(
+        "SELECT count(*) FROM outbox.events WHERE event_id = $1",
+        &[event_id.into()],
+    )
+    .unwrap();
+    let by_shard = Spi::get_one::<i64>(
+        "SELECT count(*) FROM outbox.events WHERE shard = outbox._shard_of('idx', 'a') AND txid = pg_current_xact_id()",
+    )
+    .unwrap();
+    assert_eq!((by_event_id, by_shard), (Some(1), Some(1)));
+}
+
+#[pg_test]
+fn a_log_table_someone_changed_gets_its_row_through_the_executor() {
+    // A DBA's audit trigger on the log: the direct insert would skip it, so enqueue must not.
+    Spi::run(
+        "CREATE TABLE audited (event_id uuid);
+         CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN INSERT INTO audited VALUES (NEW.event_id); RETURN NEW; END$$;
+         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_0 FOR EACH ROW EXECUTE FUNCTION audit();
+         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_1 FOR EACH ROW EXECUTE FUNCTION audit();
+         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_2 FOR EACH ROW EXECUTE FUNCTION audit();",
+    )
+    .unwrap();
+    let event_id = Spi::get_one::<pgrx::Uuid>("SELECT outbox_enqueue('audit', 1, 'e', '{}')").unwrap().unwrap();
+    let audited = Spi::get_one::<pgrx::Uuid>("SELECT event_id FROM audited").unwrap();
+    assert_eq!(audited, Some(event_id));
+    assert_eq!(count_messages(), 1);
+}
+
+#[pg_test]
 fn enqueue_accepts_bigint_uuid_and_named_arguments_without_casts() {
     Spi::run("SELECT outbox_enqueue('order', 42, 'order.placed', '{}')").unwrap();
     Spi::run("SELECT outbox_enqueue('order', 42::bigint, 'order.placed', '{}')").unwrap();
