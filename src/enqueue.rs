@@ -395,6 +395,13 @@ fn outbox_enqueue(
     headers: Internal,
     stream: Option<&str>,
 ) -> pgrx::Uuid {
+    // What an INSERT would refuse on a standby or in a read-only transaction (25006), before
+    // anything else: the row is written beside the executor, which would have checked.
+    // SAFETY: plain checks of the transaction's state; they raise the standard errors.
+    unsafe {
+        pg_sys::PreventCommandIfReadOnly(c"outbox_enqueue()".as_ptr());
+        pg_sys::PreventCommandDuringRecovery(c"outbox_enqueue()".as_ptr());
+    }
     let aggregate_type = required(&AGGREGATE_TYPE, aggregate_type);
     let aggregate_id = required(&AGGREGATE_ID, aggregate_id);
     let event_type = required(&EVENT_TYPE, event_type);

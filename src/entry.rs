@@ -1,8 +1,6 @@
 //! How a claimed outbox row becomes a Redis stream entry: its stream key and its fields.
 //! Pure functions, so that they are unit-tested and fuzzed without PostgreSQL or Redis.
 
-use std::borrow::Cow;
-
 /// One claimed row, with every value already in the text form it is sent in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxEvent {
@@ -89,23 +87,67 @@ impl OutboxEvent {
         .unwrap_or(("payload", 0))
     }
 
-    /// The entry's fields, borrowed from the event where they are text already (a round encodes
-    /// thousands of them: copying each would be most of the relay's work).
-    pub fn fields(&self) -> Vec<(&'static str, Cow<'_, str>)> {
-        let mut fields = vec![
-            ("event_id", Cow::Borrowed(self.event_id.as_str())),
-            ("outbox_id", Cow::Owned(self.id.to_string())),
-            ("aggregate_type", Cow::Borrowed(self.aggregate_type.as_str())),
-            ("aggregate_id", Cow::Borrowed(self.aggregate_id.as_str())),
-            ("aggregate_seq", Cow::Owned(self.aggregate_seq.to_string())),
-            ("event_type", Cow::Borrowed(self.event_type.as_str())),
-            ("payload", Cow::Borrowed(self.payload.as_str())),
-        ];
+    /// Calls `field` with each of the entry's field/value pairs, in a fixed order, borrowed from
+    /// the event (the numbers are formatted on the stack): a round encodes thousands of them, and
+    /// an allocation per field was most of the relay's own work. `headers` is present only when
+    /// the event has headers.
+    pub fn for_each_field(&self, mut field: impl FnMut(&'static str, &str)) {
+        let mut number = NumberText::default();
+        field("event_id", &self.event_id);
+        field("outbox_id", number.format(self.id));
+        field("aggregate_type", &self.aggregate_type);
+        field("aggregate_id", &self.aggregate_id);
+        field("aggregate_seq", number.format(self.aggregate_seq));
+        field("event_type", &self.event_type);
+        field("payload", &self.payload);
         if let Some(headers) = &self.headers {
-            fields.push(("headers", Cow::Borrowed(headers.as_str())));
+            field("headers", headers);
         }
-        fields.push(("created_at", Cow::Borrowed(self.created_at.as_str())));
+        field("created_at", &self.created_at);
+    }
+
+    /// How many fields `for_each_field` gives.
+    pub fn field_count(&self) -> usize {
+        if self.headers.is_some() {
+            9
+        } else {
+            8
+        }
+    }
+
+    /// The entry's fields as owned pairs (tests and diagnostics; the relay uses `for_each_field`).
+    pub fn fields(&self) -> Vec<(&'static str, String)> {
+        let mut fields = Vec::with_capacity(self.field_count());
+        self.for_each_field(|name, value| fields.push((name, value.to_string())));
         fields
+    }
+}
+
+/// A stack buffer for an `i64`'s decimal text.
+#[derive(Default)]
+struct NumberText {
+    bytes: [u8; 20],
+}
+
+impl NumberText {
+    fn format(&mut self, value: i64) -> &str {
+        let negative = value < 0;
+        let mut magnitude = value.unsigned_abs();
+        let mut at = self.bytes.len();
+        loop {
+            at -= 1;
+            self.bytes[at] = b'0' + (magnitude % 10) as u8;
+            magnitude /= 10;
+            if magnitude == 0 {
+                break;
+            }
+        }
+        if negative {
+            at -= 1;
+            self.bytes[at] = b'-';
+        }
+        // Only ASCII digits and '-' were written.
+        std::str::from_utf8(&self.bytes[at..]).unwrap_or("0")
     }
 }
 
@@ -150,6 +192,14 @@ mod tests {
         assert_eq!(e.stream_key("outbox:{aggregate_type}"), "outbox:payment");
         e.stream = Some("custom".into());
         assert_eq!(e.stream_key("outbox:{aggregate_type}"), "custom");
+    }
+
+    #[test]
+    fn numbers_are_written_as_rust_formats_them() {
+        let mut text = NumberText::default();
+        for value in [0, 7, -1, 42, i64::MAX, i64::MIN, 1_000_000] {
+            assert_eq!(text.format(value), value.to_string());
+        }
     }
 
     #[test]

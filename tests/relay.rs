@@ -317,7 +317,15 @@ fn reload_with_a_new_redis_url_and_password_file_is_honoured() {
 fn redis_url_is_masked_and_hidden_from_ordinary_roles() {
     let env = Env::start(&[]);
     let mut client = env.pg.connect();
+    env.pg.relay_pid(&mut client);
+    // The relay has started with the working Redis and found the extension, so that it logs when
+    // the reload below reaches it (pg_reload_conf() only signals).
+    enqueue(&mut client, "masked", "0", "{}");
+    env.redis.wait_for_entries("outbox:masked", 1);
     env.pg.set(&mut client, &[("outbox.redis_url", "redis://app:Hunter2@127.0.0.1:1/0")]);
+    wait_for(DEADLINE, "the relay to apply the reload", || {
+        env.pg.log().contains("after the reload, Redis is 127.0.0.1:1 (was").then_some(())
+    });
     let shown = wait_for(DEADLINE, "the reload", || {
         let shown: String = client.query_one("SELECT current_setting('outbox.redis_url')", &[]).unwrap().get(0);
         (shown != env.redis.url()).then_some(shown)
@@ -354,7 +362,12 @@ fn relay_shows_in_pg_stat_activity_and_restarts_after_termination() {
         .unwrap()
         .get(0);
     assert_eq!(launcher, 1);
-    assert_eq!(client.query_one("SELECT outbox.relay_pid()", &[]).unwrap().get::<_, Option<i32>>(0), Some(first));
+    // A relay shows in pg_stat_activity as soon as it connects, and in outbox.relay_pid() once it
+    // has registered in shared memory, a moment later.
+    wait_for(DEADLINE, "outbox.relay_pid() to name the relay", || {
+        let pid = client.query_one("SELECT outbox.relay_pid()", &[]).unwrap().get::<_, Option<i32>>(0);
+        (pid == Some(first)).then_some(())
+    });
     client.query_one("SELECT pg_terminate_backend($1)", &[&first]).unwrap();
     let second = wait_for(DEADLINE, "a new relay", || {
         let pid = client

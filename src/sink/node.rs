@@ -144,8 +144,9 @@ pub struct Exchanged {
     pub connection_closed: bool,
 }
 
-/// A pipeline for one node: MULTI/EXEC blocks of commands, then an optional WAIT, packed as they
-/// are added.
+/// A pipeline for one node: MULTI/EXEC blocks of commands, then an optional WAIT, written as
+/// RESP straight into one buffer as they are added (no command object per entry: the payloads
+/// are copied once, from the event into the buffer).
 #[derive(Default)]
 pub struct Pipeline {
     bytes: Vec<u8>,
@@ -155,30 +156,69 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Adds a block of `commands`, executed atomically; `asking` prefixes it with ASKING (an ASK
+    /// Starts a block, executed atomically; `asking` prefixes it with ASKING (an ASK
     /// redirection's target serves a slot being imported only to clients that say so).
-    pub fn block(&mut self, asking: bool, commands: impl IntoIterator<Item = redis::Cmd>) {
+    pub fn begin_block(&mut self, asking: bool) {
         if asking {
-            redis::cmd("ASKING").write_packed_command(&mut self.bytes);
+            self.command(1);
+            self.arg(b"ASKING");
         }
-        redis::cmd("MULTI").write_packed_command(&mut self.bytes);
-        let mut count = 0;
-        for command in commands {
-            command.write_packed_command(&mut self.bytes);
-            count += 1;
+        self.command(1);
+        self.arg(b"MULTI");
+        self.blocks.push((0, asking));
+    }
+
+    /// Ends the block begun last.
+    pub fn end_block(&mut self) {
+        self.command(1);
+        self.arg(b"EXEC");
+    }
+
+    /// Starts a command of `args` arguments (its name included), counted in the current block;
+    /// exactly that many `arg` calls follow.
+    pub fn entry(&mut self, args: usize) {
+        if let Some((count, _)) = self.blocks.last_mut() {
+            *count += 1;
         }
-        redis::cmd("EXEC").write_packed_command(&mut self.bytes);
-        self.blocks.push((count, asking));
+        self.command(args);
+    }
+
+    fn command(&mut self, args: usize) {
+        self.bytes.push(b'*');
+        self.number(args as u64);
+    }
+
+    pub fn arg(&mut self, value: &[u8]) {
+        self.bytes.push(b'$');
+        self.number(value.len() as u64);
+        self.bytes.extend_from_slice(value);
+        self.bytes.extend_from_slice(b"\r\n");
+    }
+
+    /// A number followed by CRLF.
+    fn number(&mut self, mut value: u64) {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        loop {
+            at -= 1;
+            digits[at] = b'0' + (value % 10) as u8;
+            value /= 10;
+            if value == 0 {
+                break;
+            }
+        }
+        self.bytes.extend_from_slice(&digits[at..]);
+        self.bytes.extend_from_slice(b"\r\n");
     }
 
     /// Ends the pipeline with `WAIT replicas timeout`: the blocks count only once that many
     /// replicas have them (`outbox.redis_wait_replicas`).
     pub fn wait(&mut self, replicas: u32, timeout: Duration) {
         if replicas > 0 {
-            redis::cmd("WAIT")
-                .arg(replicas)
-                .arg(timeout.as_millis().max(1) as u64)
-                .write_packed_command(&mut self.bytes);
+            self.command(3);
+            self.arg(b"WAIT");
+            self.arg(replicas.to_string().as_bytes());
+            self.arg((timeout.as_millis().max(1) as u64).to_string().as_bytes());
             self.wait_replicas = replicas;
         }
     }
@@ -368,6 +408,30 @@ mod tests {
             Ok(redis::Value::ServerError(error)) => error,
             other => panic!("not an error reply: {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_pipeline_is_the_resp_the_client_library_would_send() {
+        let mut pipeline = Pipeline::default();
+        pipeline.begin_block(true);
+        pipeline.entry(4);
+        for arg in ["XADD", "k", "*", "f"] {
+            pipeline.arg(arg.as_bytes());
+        }
+        pipeline.end_block();
+        pipeline.wait(1, Duration::from_millis(250));
+        let mut expected = Vec::new();
+        for cmd in [
+            redis::cmd("ASKING"),
+            redis::cmd("MULTI"),
+            redis::cmd("XADD").arg("k").arg("*").arg("f").clone(),
+            redis::cmd("EXEC"),
+            redis::cmd("WAIT").arg(1).arg(250).clone(),
+        ] {
+            cmd.write_packed_command(&mut expected);
+        }
+        assert_eq!(pipeline.bytes, expected);
+        assert_eq!(pipeline.blocks, vec![(1, true)]);
     }
 
     #[test]

@@ -297,10 +297,17 @@ impl RedisSink {
         let (mode, timeout, wait_replicas) = (config.mode, config.timeout, config.wait_replicas);
         let deadline = Instant::now() + timeout;
         let keys: Vec<String> = indexes.iter().map(|&i| events[i].stream_key(stream_template)).collect();
-        let command = |position: usize| xadd(&events[indexes[position]], &keys[position], maxlen);
+        let maxlen = maxlen.map(|n| n.to_string());
+        let write = |pipeline: &mut Pipeline, position: usize| {
+            write_xadd(pipeline, &events[indexes[position]], &keys[position], maxlen.as_deref())
+        };
         if mode != RedisMode::Cluster {
             let mut pipeline = Pipeline::default();
-            pipeline.block(false, (0..indexes.len()).map(command));
+            pipeline.begin_block(false);
+            for position in 0..indexes.len() {
+                write(&mut pipeline, position);
+            }
+            pipeline.end_block();
             pipeline.wait(wait_replicas, timeout / 2);
             let connection = self.single()?;
             let exchanged = pipeline.send(connection).and_then(|_| pipeline.receive(connection, deadline));
@@ -362,7 +369,11 @@ impl RedisSink {
             for (addr, node_blocks) in by_node {
                 let mut pipeline = Pipeline::default();
                 for &block in &node_blocks {
-                    pipeline.block(routes[block].1, blocks[block].1.iter().map(|&position| command(position)));
+                    pipeline.begin_block(routes[block].1);
+                    for &position in &blocks[block].1 {
+                        write(&mut pipeline, position);
+                    }
+                    pipeline.end_block();
                 }
                 pipeline.wait(wait_replicas, timeout / 2);
                 let result = self.node(&addr).and_then(|connection| pipeline.send(connection));
@@ -455,18 +466,22 @@ impl RedisSink {
     }
 }
 
-/// The XADD of one event to `key`.
-fn xadd(event: &OutboxEvent, key: &str, maxlen: Option<u64>) -> redis::Cmd {
-    let mut cmd = redis::cmd("XADD");
-    cmd.arg(key);
+/// Writes the XADD of one event to `key` (`MAXLEN ~ maxlen` when trimming) into the pipeline.
+fn write_xadd(pipeline: &mut Pipeline, event: &OutboxEvent, key: &str, maxlen: Option<&str>) {
+    let trim = if maxlen.is_some() { 3 } else { 0 };
+    pipeline.entry(3 + trim + 2 * event.field_count());
+    pipeline.arg(b"XADD");
+    pipeline.arg(key.as_bytes());
     if let Some(maxlen) = maxlen {
-        cmd.arg("MAXLEN").arg("~").arg(maxlen);
+        pipeline.arg(b"MAXLEN");
+        pipeline.arg(b"~");
+        pipeline.arg(maxlen.as_bytes());
     }
-    cmd.arg("*");
-    for (field, value) in event.fields() {
-        cmd.arg(field).arg(value.as_ref());
-    }
-    cmd
+    pipeline.arg(b"*");
+    event.for_each_field(|field, value| {
+        pipeline.arg(field.as_bytes());
+        pipeline.arg(value.as_bytes());
+    });
 }
 
 fn aggregate_of(event: &OutboxEvent) -> (&str, &str) {

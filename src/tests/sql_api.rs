@@ -78,6 +78,14 @@ fn enqueue_finds_its_row_through_both_indexes() {
 }
 
 #[pg_test]
+fn enqueue_in_a_read_only_transaction_is_refused_like_an_insert() {
+    Spi::run("SET LOCAL transaction_read_only = on").unwrap();
+    let (sqlstate, message) = error_of("SELECT outbox_enqueue('ro', 1, 'e', '{}')");
+    assert_eq!(sqlstate, "ERRCODE_READ_ONLY_SQL_TRANSACTION", "{message}");
+    assert!(message.contains("read-only transaction"), "{message}");
+}
+
+#[pg_test]
 fn a_log_table_someone_changed_gets_its_row_through_the_executor() {
     // A DBA's audit trigger on the log: the direct insert would skip it, so enqueue must not.
     Spi::run(

@@ -170,8 +170,13 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             }
             let before = relay.sink.describe();
             relay.sink.configure(redis_config());
+            let after = relay.sink.describe();
+            if after != before && relay.found_extension {
+                // Says when the reload took effect: pg_reload_conf() only signals.
+                log!("outbox_pg relay {}: after the reload, Redis is {after} (was {before})", relay.slot);
+            }
             // A new Redis deserves an immediate try, not the rest of the old one's backoff.
-            if relay.sink.describe() != before || !relay.sink.is_connected() {
+            if after != before || !relay.sink.is_connected() {
                 relay.retry_at = None;
             }
             if guc::fault_injection() == FaultInjection::None {

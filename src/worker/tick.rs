@@ -5,6 +5,12 @@
 //! what the main loop does next. The design is in docs/worker.md, "The log".
 
 use std::collections::{HashMap, HashSet};
+
+/// The round's per-event maps and sets: keyed by aggregates, so by the application's strings, and
+/// looked up several times per event. foldhash is several times faster than the standard SipHash
+/// on such short keys and, seeded per process, keeps a hostile choice of ids from degrading them.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type Set<K> = HashSet<K, foldhash::fast::RandomState>;
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
@@ -200,7 +206,7 @@ struct Batch {
     counters: Vec<(String, String, i64)>,
     /// Of `events`, the ids of those whose aggregate has events on the failure path: they go there
     /// too, behind them, without being sent.
-    diverted: HashSet<i64>,
+    diverted: Set<i64>,
     /// From the failure path, due now (aggregate_seq stored with them).
     held_due: Vec<OutboxEvent>,
     /// More is due than this round takes (the failure path's batch was full, or a lagging shard
@@ -294,7 +300,7 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             let uptos: Vec<String> = claimed.iter().map(|(.., upto, _)| upto.clone()).collect();
             batch.catching_up = claimed.iter().any(|(.., bounded)| *bounded);
             batch.more |= batch.catching_up;
-            let mut by_shard: HashMap<i16, Vec<OutboxEvent>> = HashMap::new();
+            let mut by_shard: Map<i16, Vec<OutboxEvent>> = Map::default();
             let rows = if reading.is_empty() {
                 Vec::new()
             } else {
@@ -337,13 +343,13 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
                     let position = row.get::<i64>(1)?.unwrap_or_default() as usize;
                     last_seq[position - 1] = row.get::<i64>(2)?.unwrap_or_default();
                 }
-                let mut waiting = HashSet::new();
+                let mut waiting = Set::default();
                 if settings.in_order && held_any {
                     for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
                         waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
                     }
                 }
-                let index: HashMap<(&str, &str), usize> =
+                let index: Map<(&str, &str), usize> =
                     aggregates.iter().enumerate().map(|(n, (t, i))| ((t.as_str(), i.as_str()), n)).collect();
                 for event in &mut log {
                     let position = index[&(event.aggregate_type.as_str(), event.aggregate_id.as_str())];
@@ -363,7 +369,7 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
 
 /// The distinct aggregates of `events`, in order of first appearance.
 fn distinct_aggregates(events: &[OutboxEvent]) -> Vec<(String, String)> {
-    let mut seen = HashSet::new();
+    let mut seen = Set::default();
     events
         .iter()
         .filter(|e| seen.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())))
@@ -557,7 +563,7 @@ pub fn tick(sink: &mut RedisSink, settings: &TickSettings, timings: &mut RoundTi
     let mut published = 0;
     let mut rejected = 0;
     let mut last_rejection = None;
-    let mut broken: HashSet<(String, String)> = HashSet::new();
+    let mut broken: Set<(String, String)> = Set::default();
     // One MULTI/EXEC per round (up to 64 MB): Redis applies it whole or not at all, so a refusal
     // such as OOM leaves nothing half-published to be sent twice.
     let limits = PipelineLimits { entries: usize::MAX, bytes: PIPELINE_BYTES };
@@ -703,9 +709,9 @@ fn next_pipeline(
 /// a *different* key than its aggregate's earlier events in the round could succeed where they
 /// fail, so it and every later event of its aggregate wait: their ids are returned. `events` are in
 /// per-aggregate order.
-pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) -> HashSet<i64> {
-    let mut run_key: HashMap<(&str, &str), Option<String>> = HashMap::new();
-    let mut deferred = HashSet::new();
+pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) -> Set<i64> {
+    let mut run_key: Map<(&str, &str), Option<String>> = Map::default();
+    let mut deferred = Set::default();
     for event in events {
         let key = event.stream_key(stream_template);
         let slot = run_key
