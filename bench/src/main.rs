@@ -28,6 +28,9 @@ struct Args {
     minutes: u32,
     /// `outbox.retention` for the sustained run; `None` keeps the server's setting (default 7 days).
     retention: Option<String>,
+    /// Seed nodes of a Redis Cluster (`redis://h1:p1,h2:p2,...`) to drain into beside the single
+    /// node; `None` skips that scenario.
+    cluster: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -44,6 +47,7 @@ fn parse_args() -> Result<Args> {
         rate: 1000,
         minutes: 5,
         retention: None,
+        cluster: None,
     };
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -56,6 +60,7 @@ fn parse_args() -> Result<Args> {
             "--rate" => parsed.rate = value()?.parse().map_err(|e| format!("--rate: {e}"))?,
             "--minutes" => parsed.minutes = value()?.parse().map_err(|e| format!("--minutes: {e}"))?,
             "--retention" => parsed.retention = Some(value()?),
+            "--cluster" => parsed.cluster = Some(value()?),
             "--quick" => parsed.quick = true,
             other => return Err(format!("unknown argument {other:?}").into()),
         }
@@ -410,6 +415,110 @@ fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) ->
     let (dead_tuples, total_bytes) = table_state(&mut admin, OUTBOX_TABLES)?;
     Ok(Drain {
         relays: workers,
+        events_per_s,
+        cpu_us_per_event: ticks_to_us(ticks_after - ticks_before) / events as f64,
+        client_cpu_us_per_event: None,
+        dead_tuples,
+        total_bytes,
+    })
+}
+
+/// Streams of the topology drain: events spread over them by aggregate, so that a cluster's masters
+/// all get some.
+const SPREAD_STREAMS: i64 = 12;
+
+/// The keys of the spread streams.
+fn spread_stream_keys() -> Vec<String> {
+    (0..SPREAD_STREAMS).map(|n| format!("outbox:bench_spread_{n}")).collect()
+}
+
+/// Entries in the spread streams, on one node or across a cluster (each key is read on the node
+/// serving it).
+fn spread_entries(redis: &str, cluster: bool) -> Result<i64> {
+    let keys = spread_stream_keys();
+    if cluster {
+        let seeds: Vec<String> = redis
+            .trim_start_matches("redis://")
+            .split(',')
+            .map(|node| format!("redis://{node}"))
+            .collect();
+        let mut connection = redis::cluster::ClusterClient::new(seeds)?.get_connection()?;
+        let mut total = 0;
+        for key in &keys {
+            total += redis::cmd("XLEN").arg(key).query::<i64>(&mut connection)?;
+        }
+        Ok(total)
+    } else {
+        let mut connection = redis_connection(redis)?;
+        let mut total = 0;
+        for key in &keys {
+            total += redis::cmd("XLEN").arg(key).query::<i64>(&mut connection)?;
+        }
+        Ok(total)
+    }
+}
+
+/// Deletes the spread streams.
+fn delete_spread_streams(redis: &str, cluster: bool) -> Result<()> {
+    if cluster {
+        let seeds: Vec<String> =
+            redis.trim_start_matches("redis://").split(',').map(|node| format!("redis://{node}")).collect();
+        let mut connection = redis::cluster::ClusterClient::new(seeds)?.get_connection()?;
+        for key in spread_stream_keys() {
+            redis::cmd("DEL").arg(key).query::<()>(&mut connection)?;
+        }
+    } else {
+        let mut connection = redis_connection(redis)?;
+        for key in spread_stream_keys() {
+            redis::cmd("DEL").arg(key).query::<()>(&mut connection)?;
+        }
+    }
+    Ok(())
+}
+
+/// One worker draining `events` pending events (10,000 aggregates, `SPREAD_STREAMS` streams) into
+/// the single Redis node, or into the cluster (`outbox.redis_mode = cluster`) when `cluster`.
+fn drain_topology(args: &Args, events: i64, cluster: Option<&str>) -> Result<Drain> {
+    let mut admin = pg(&args.pg)?;
+    pause_and_empty_outbox(&mut admin)?;
+    let (redis, mode) = match cluster {
+        Some(seeds) => (seeds, "cluster"),
+        None => (args.redis.as_str(), "standalone"),
+    };
+    delete_spread_streams(redis, cluster.is_some())?;
+    for first in (1..=events).step_by(1000) {
+        let last = (first + 999).min(events);
+        admin.batch_execute(&format!(
+            "SELECT outbox_enqueue('bench_spread_' || ((i % 10000) % {SPREAD_STREAMS}), (i % 10000)::bigint, 'payment.created', {BACKLOG_PAYLOAD})
+               FROM generate_series({first}, {last}) AS i"
+        ))?;
+    }
+    admin.batch_execute(&format!("VACUUM ANALYZE {OUTBOX_TABLES}"))?;
+    configure(
+        &mut admin,
+        &[
+            ("outbox.redis_url", redis),
+            ("outbox.redis_mode", mode),
+            ("outbox.workers", "1"),
+            ("outbox.batch_size", &args.batch.to_string()),
+        ],
+    )?;
+    wait_until(Duration::from_secs(30), || Ok(relay_pids(&mut admin)?.len() == 1))?;
+    let pids = relay_pids(&mut admin)?;
+    let ticks = |pids: &[i32]| pids.iter().map(|&pid| cpu_ticks(pid)).sum::<Result<u64>>();
+    let ticks_before = ticks(&pids)?;
+    let started = Instant::now();
+    admin.batch_execute("ALTER SYSTEM SET outbox.enabled = 'on'")?;
+    admin.batch_execute("SELECT pg_reload_conf()")?;
+    wait_until(Duration::from_secs(600), || Ok(spread_entries(redis, cluster.is_some())? >= events))?;
+    let events_per_s = events as f64 / started.elapsed().as_secs_f64();
+    wait_settled(&mut admin)?;
+    let ticks_after = ticks(&pids)?;
+    // Back to the single node for the scenarios that follow.
+    configure(&mut admin, &[("outbox.redis_url", &args.redis), ("outbox.redis_mode", "standalone")])?;
+    let (dead_tuples, total_bytes) = table_state(&mut admin, OUTBOX_TABLES)?;
+    Ok(Drain {
+        relays: 1,
         events_per_s,
         cpu_us_per_event: ticks_to_us(ticks_after - ticks_before) / events as f64,
         client_cpu_us_per_event: None,
@@ -959,6 +1068,8 @@ struct Results {
     baseline: Vec<Drain>,
     /// One aggregate, one process.
     one_aggregate_baseline: Drain,
+    /// One worker, spread streams: into the single node, and into the cluster (if one was given).
+    topology: Option<(Drain, Drain)>,
     wal: Wal,
     tps_off: Tps,
     tps_on: Tps,
@@ -1006,6 +1117,16 @@ fn run_all(args: &Args) -> Result<()> {
     eprintln!("== drain {drain_events} events of one aggregate, external relay, one process");
     let one_aggregate_baseline = drain_baseline(args, drain_events, 1, 1)?;
     eprintln!("   {:.0} events/s", one_aggregate_baseline.events_per_s);
+    let topology = match &args.cluster {
+        Some(seeds) => {
+            eprintln!("== drain {drain_events} events over {SPREAD_STREAMS} streams, one worker: single node, then a three-master cluster");
+            let single = drain_topology(args, drain_events, None)?;
+            let cluster = drain_topology(args, drain_events, Some(seeds))?;
+            eprintln!("   single node {:.0} events/s, cluster {:.0} events/s", single.events_per_s, cluster.events_per_s);
+            Some((single, cluster))
+        }
+        None => None,
+    };
     eprintln!("== WAL per event: {wal_events} events over {wal_aggregates} aggregates, outbox_pg and the seeds' path");
     let wal = wal_per_event(args, wal_events, wal_aggregates, 100)?;
     eprintln!(
@@ -1033,6 +1154,7 @@ fn run_all(args: &Args) -> Result<()> {
             one_aggregate,
             baseline,
             one_aggregate_baseline,
+            topology,
             wal,
             tps_off,
             tps_on,
@@ -1255,6 +1377,12 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
                 "ratio_vs_10000_aggregates": r.one_aggregate.events_per_s / one_worker,
             },
         },
+        "topology": r.topology.as_ref().map(|(single, cluster)| serde_json::json!({
+            "streams": SPREAD_STREAMS,
+            "single_node": drain_json(single, "workers"),
+            "cluster_three_masters": drain_json(cluster, "workers"),
+            "ratio": cluster.events_per_s / single.events_per_s,
+        })),
         "enqueue_tps": {"relay_off": tps_json(&r.tps_off), "relay_on": tps_json(&r.tps_on),
                         "running_over_paused": r.tps_on.ratio() / r.tps_off.ratio()},
         "wal": {"events": r.wal.events, "aggregates": r.wal.aggregates, "events_per_transaction": r.wal.per_transaction,
@@ -1366,6 +1494,23 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
     }
     table_row("external relay, one aggregate, 1 process".into(), "bench_seed_outbox", &r.one_aggregate_baseline);
 
+    if let Some((single, cluster)) = &r.topology {
+        md.push_str(&format!(
+            "\n## Drain into a Redis Cluster beside a single node\n\n{} pending events over 10,000 aggregates spread \
+             over {SPREAD_STREAMS} streams, one worker, `outbox.redis_wait_replicas = 0`; the same backlog drained into \
+             the single Redis node and into a three-master Redis Cluster (no replicas) on the same machine \
+             (`outbox.redis_mode = cluster`: one MULTI/EXEC per hash slot, one pipeline per master).\n\n\
+             | target | events/s | relay CPU per event |\n|---|---|---|\n\
+             | single node | {} | {:.1} µs |\n| three-master cluster | {} | {:.1} µs |\n\n\
+             Cluster ÷ single node: **{:.2}×**.\n",
+            grouped(r.drain_events as f64),
+            grouped(single.events_per_s),
+            single.cpu_us_per_event,
+            grouped(cluster.events_per_s),
+            cluster.cpu_us_per_event,
+            cluster.events_per_s / single.events_per_s
+        ));
+    }
     md.push_str(&format!(
         "\n## Enqueue cost (pgbench, 4 clients, median of 3 alternating runs)\n\n\
          Both transactions INSERT a payment row; then `outbox_enqueue(…)`, or a plain INSERT into `bench_seed_outbox`, \
