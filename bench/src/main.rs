@@ -437,11 +437,8 @@ fn spread_stream_keys() -> Vec<String> {
 fn spread_entries(redis: &str, cluster: bool) -> Result<i64> {
     let keys = spread_stream_keys();
     if cluster {
-        let seeds: Vec<String> = redis
-            .trim_start_matches("redis://")
-            .split(',')
-            .map(|node| format!("redis://{node}"))
-            .collect();
+        let seeds: Vec<String> =
+            redis.trim_start_matches("redis://").split(',').map(|node| format!("redis://{node}")).collect();
         let mut connection = redis::cluster::ClusterClient::new(seeds)?.get_connection()?;
         let mut total = 0;
         for key in &keys {
@@ -1122,7 +1119,10 @@ fn run_all(args: &Args) -> Result<()> {
             eprintln!("== drain {drain_events} events over {SPREAD_STREAMS} streams, one worker: single node, then a three-master cluster");
             let single = drain_topology(args, drain_events, None)?;
             let cluster = drain_topology(args, drain_events, Some(seeds))?;
-            eprintln!("   single node {:.0} events/s, cluster {:.0} events/s", single.events_per_s, cluster.events_per_s);
+            eprintln!(
+                "   single node {:.0} events/s, cluster {:.0} events/s",
+                single.events_per_s, cluster.events_per_s
+            );
             Some((single, cluster))
         }
         None => None,
