@@ -400,26 +400,39 @@ fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) ->
     let mut admin = pg(&args.pg)?;
     prepare_backlog(args, &mut admin, events, aggregates)?;
     configure(&mut admin, &[("outbox.workers", &workers.to_string()), ("outbox.batch_size", &args.batch.to_string())])?;
-    wait_until(Duration::from_secs(30), || Ok(relay_pids(&mut admin)?.len() == workers))?;
-    let pids = relay_pids(&mut admin)?;
+    let drain = enable_and_measure(&mut admin, workers, events, || wait_drained(args, DRAIN_STREAM, events))?;
+    let (dead_tuples, total_bytes) = table_state(&mut admin, OUTBOX_TABLES)?;
+    Ok(Drain { dead_tuples, total_bytes, ..drain })
+}
+
+/// Waits for `workers` relays, enables them, and measures how fast they publish `events` (until
+/// `drained` returns) and the CPU they spend until every event is settled. The table figures are
+/// left at 0 for the caller to fill in.
+fn enable_and_measure(
+    admin: &mut postgres::Client,
+    workers: usize,
+    events: i64,
+    drained: impl FnOnce() -> Result<()>,
+) -> Result<Drain> {
+    wait_until(Duration::from_secs(30), || Ok(relay_pids(admin)?.len() == workers))?;
+    let pids = relay_pids(admin)?;
     let ticks = |pids: &[i32]| pids.iter().map(|&pid| cpu_ticks(pid)).sum::<Result<u64>>();
     let ticks_before = ticks(&pids)?;
     let started = Instant::now();
     admin.batch_execute("ALTER SYSTEM SET outbox.enabled = 'on'")?;
     admin.batch_execute("SELECT pg_reload_conf()")?;
-    wait_drained(args, DRAIN_STREAM, events)?;
+    drained()?;
     let events_per_s = events as f64 / started.elapsed().as_secs_f64();
     // The last batch is settled after its XADDs: its CPU belongs to the drain too.
-    wait_settled(&mut admin)?;
+    wait_settled(admin)?;
     let ticks_after = ticks(&pids)?;
-    let (dead_tuples, total_bytes) = table_state(&mut admin, OUTBOX_TABLES)?;
     Ok(Drain {
         relays: workers,
         events_per_s,
         cpu_us_per_event: ticks_to_us(ticks_after - ticks_before) / events as f64,
         client_cpu_us_per_event: None,
-        dead_tuples,
-        total_bytes,
+        dead_tuples: 0,
+        total_bytes: 0,
     })
 }
 
@@ -432,43 +445,33 @@ fn spread_stream_keys() -> Vec<String> {
     (0..SPREAD_STREAMS).map(|n| format!("outbox:bench_spread_{n}")).collect()
 }
 
-/// Entries in the spread streams, on one node or across a cluster (each key is read on the node
-/// serving it).
-fn spread_entries(redis: &str, cluster: bool) -> Result<i64> {
-    let keys = spread_stream_keys();
+/// A connection to the single node, or to the cluster whose seed nodes `redis` lists (each
+/// command then goes to the node serving its key).
+fn stream_connection(redis: &str, cluster: bool) -> Result<Box<dyn redis::ConnectionLike>> {
     if cluster {
         let seeds: Vec<String> =
             redis.trim_start_matches("redis://").split(',').map(|node| format!("redis://{node}")).collect();
-        let mut connection = redis::cluster::ClusterClient::new(seeds)?.get_connection()?;
-        let mut total = 0;
-        for key in &keys {
-            total += redis::cmd("XLEN").arg(key).query::<i64>(&mut connection)?;
-        }
-        Ok(total)
+        Ok(Box::new(redis::cluster::ClusterClient::new(seeds)?.get_connection()?))
     } else {
-        let mut connection = redis_connection(redis)?;
-        let mut total = 0;
-        for key in &keys {
-            total += redis::cmd("XLEN").arg(key).query::<i64>(&mut connection)?;
-        }
-        Ok(total)
+        Ok(Box::new(redis_connection(redis)?))
     }
+}
+
+/// Entries in the spread streams.
+fn spread_entries(redis: &str, cluster: bool) -> Result<i64> {
+    let mut connection = stream_connection(redis, cluster)?;
+    let mut total = 0;
+    for key in spread_stream_keys() {
+        total += redis::cmd("XLEN").arg(key).query::<i64>(connection.as_mut())?;
+    }
+    Ok(total)
 }
 
 /// Deletes the spread streams.
 fn delete_spread_streams(redis: &str, cluster: bool) -> Result<()> {
-    if cluster {
-        let seeds: Vec<String> =
-            redis.trim_start_matches("redis://").split(',').map(|node| format!("redis://{node}")).collect();
-        let mut connection = redis::cluster::ClusterClient::new(seeds)?.get_connection()?;
-        for key in spread_stream_keys() {
-            redis::cmd("DEL").arg(key).query::<()>(&mut connection)?;
-        }
-    } else {
-        let mut connection = redis_connection(redis)?;
-        for key in spread_stream_keys() {
-            redis::cmd("DEL").arg(key).query::<()>(&mut connection)?;
-        }
+    let mut connection = stream_connection(redis, cluster)?;
+    for key in spread_stream_keys() {
+        redis::cmd("DEL").arg(key).query::<()>(connection.as_mut())?;
     }
     Ok(())
 }
@@ -500,28 +503,13 @@ fn drain_topology(args: &Args, events: i64, cluster: Option<&str>) -> Result<Dra
             ("outbox.batch_size", &args.batch.to_string()),
         ],
     )?;
-    wait_until(Duration::from_secs(30), || Ok(relay_pids(&mut admin)?.len() == 1))?;
-    let pids = relay_pids(&mut admin)?;
-    let ticks = |pids: &[i32]| pids.iter().map(|&pid| cpu_ticks(pid)).sum::<Result<u64>>();
-    let ticks_before = ticks(&pids)?;
-    let started = Instant::now();
-    admin.batch_execute("ALTER SYSTEM SET outbox.enabled = 'on'")?;
-    admin.batch_execute("SELECT pg_reload_conf()")?;
-    wait_until(Duration::from_secs(600), || Ok(spread_entries(redis, cluster.is_some())? >= events))?;
-    let events_per_s = events as f64 / started.elapsed().as_secs_f64();
-    wait_settled(&mut admin)?;
-    let ticks_after = ticks(&pids)?;
+    let drain = enable_and_measure(&mut admin, 1, events, || {
+        wait_until(Duration::from_secs(600), || Ok(spread_entries(redis, cluster.is_some())? >= events))
+    })?;
     // Back to the single node for the scenarios that follow.
     configure(&mut admin, &[("outbox.redis_url", &args.redis), ("outbox.redis_mode", "standalone")])?;
     let (dead_tuples, total_bytes) = table_state(&mut admin, OUTBOX_TABLES)?;
-    Ok(Drain {
-        relays: 1,
-        events_per_s,
-        cpu_us_per_event: ticks_to_us(ticks_after - ticks_before) / events as f64,
-        client_cpu_us_per_event: None,
-        dead_tuples,
-        total_bytes,
-    })
+    Ok(Drain { dead_tuples, total_bytes, ..drain })
 }
 
 /// What one `baseline-relay` process reports when it exits.

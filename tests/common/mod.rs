@@ -369,6 +369,24 @@ impl Redis {
     }
 }
 
+/// Every key holding a stream on the server `connection` talks to, sorted.
+pub fn stream_keys_on(connection: &mut redis::Connection) -> Vec<String> {
+    let mut keys = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) =
+            redis::cmd("SCAN").arg(cursor).arg("COUNT").arg(1000).arg("TYPE").arg("stream").query(connection).unwrap();
+        keys.extend(batch);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
 /// Where the invariant checker reads the streams: one node, or a Sentinel set's master, or every
 /// master of a cluster.
 pub trait StreamStore {
@@ -556,27 +574,7 @@ impl Redis {
 
     /// Every key holding a stream.
     pub fn stream_keys(&self) -> Vec<String> {
-        let mut connection = self.connection();
-        let mut keys = Vec::new();
-        let mut cursor = 0u64;
-        loop {
-            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("COUNT")
-                .arg(1000)
-                .arg("TYPE")
-                .arg("stream")
-                .query(&mut connection)
-                .unwrap();
-            keys.extend(batch);
-            if next == 0 {
-                break;
-            }
-            cursor = next;
-        }
-        keys.sort();
-        keys.dedup();
-        keys
+        stream_keys_on(&mut self.connection())
     }
 
     /// Entries in all streams together.

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use super::{free_port, fresh_dir, run, wait_for, Redis, StreamStore, DEADLINE};
+use super::{free_port, fresh_dir, run, stream_keys_on, wait_for, Redis, StreamStore, DEADLINE};
 
 fn connection(port: u16) -> Option<redis::Connection> {
     redis::Client::open(format!("redis://127.0.0.1:{port}"))
@@ -42,25 +42,7 @@ fn entries_at(port: u16, stream: &str) -> Vec<HashMap<String, String>> {
 
 /// Keys holding a stream on the node at `port`.
 fn stream_keys_at(port: u16) -> Vec<String> {
-    let mut connection = connection(port).expect("a connection to the node");
-    let mut keys = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("COUNT")
-            .arg(1000)
-            .arg("TYPE")
-            .arg("stream")
-            .query(&mut connection)
-            .unwrap();
-        keys.extend(batch);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    keys
+    stream_keys_on(&mut connection(port).expect("a connection to the node"))
 }
 
 /// A sentinel process with its own config file (sentinels rewrite theirs).
