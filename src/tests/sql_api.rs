@@ -78,6 +78,18 @@ fn enqueue_finds_its_row_through_both_indexes() {
 }
 
 #[pg_test]
+fn a_per_database_redis_url_may_not_carry_a_password() {
+    // pg_db_role_setting is readable by every role: a password there would be public.
+    let (sqlstate, message) = error_of("ALTER DATABASE pgrx_tests SET outbox.redis_url = 'redis://relay:s3cret@h:1'");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    assert!(message.contains("may not carry a password"), "{message}");
+    assert!(message.contains("outbox.redis_password_file"), "{message}");
+    assert!(!message.contains("s3cret"), "{message}");
+    Spi::run("ALTER DATABASE pgrx_tests SET outbox.redis_url = 'redis://relay@h:1'").unwrap();
+    Spi::run("ALTER DATABASE pgrx_tests RESET outbox.redis_url").unwrap();
+}
+
+#[pg_test]
 fn enqueue_in_a_read_only_transaction_is_refused_like_an_insert() {
     Spi::run("SET LOCAL transaction_read_only = on").unwrap();
     let (sqlstate, message) = error_of("SELECT outbox_enqueue('ro', 1, 'e', '{}')");
