@@ -115,7 +115,8 @@ impl OutboxEvent {
         }
     }
 
-    /// The entry's fields as owned pairs (tests and diagnostics; the relay uses `for_each_field`).
+    /// The entry's fields as owned pairs, for the tests (the relay uses `for_each_field`).
+    #[cfg(test)]
     pub fn fields(&self) -> Vec<(&'static str, String)> {
         let mut fields = Vec::with_capacity(self.field_count());
         self.for_each_field(|name, value| fields.push((name, value.to_string())));
@@ -123,14 +124,15 @@ impl OutboxEvent {
     }
 }
 
-/// A stack buffer for an `i64`'s decimal text.
+/// A stack buffer for an `i64`'s decimal text: the entries' numbers, and the lengths and counts
+/// of the RESP the sink writes (src/sink/node.rs).
 #[derive(Default)]
-struct NumberText {
+pub struct NumberText {
     bytes: [u8; 20],
 }
 
 impl NumberText {
-    fn format(&mut self, value: i64) -> &str {
+    pub fn format(&mut self, value: i64) -> &str {
         let negative = value < 0;
         let mut magnitude = value.unsigned_abs();
         let mut at = self.bytes.len();

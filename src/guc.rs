@@ -605,6 +605,18 @@ unsafe extern "C-unwind" fn show_redis_url() -> *const c_char {
     })
 }
 
+/// The value a string setting's check hook is asked about; `None` for NULL (nothing to check).
+///
+/// # Safety
+/// `newval` points at the proposed value, a NUL-terminated string or NULL, as PostgreSQL passes it.
+unsafe fn proposed_value(newval: *mut *mut c_char) -> Option<String> {
+    // SAFETY: per the contract above.
+    unsafe {
+        let value = *newval;
+        (!value.is_null()).then(|| std::ffi::CStr::from_ptr(value).to_string_lossy().into_owned())
+    }
+}
+
 /// Refuses an `outbox.redis_url` that carries a password when it comes from the catalog
 /// (`ALTER DATABASE ... SET`, `ALTER ROLE ... SET`, a function's `SET` clause): those values are
 /// stored in `pg_db_role_setting` and `pg_proc`, which every role can read. The password then
@@ -625,14 +637,8 @@ unsafe extern "C-unwind" fn check_redis_url(
     if !from_catalog {
         return true;
     }
-    // SAFETY: PostgreSQL passes a valid pointer to the proposed value (a C string or NULL).
-    let value = unsafe {
-        let value = *newval;
-        if value.is_null() {
-            return true;
-        }
-        std::ffi::CStr::from_ptr(value).to_string_lossy().into_owned()
-    };
+    // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
+    let Some(value) = (unsafe { proposed_value(newval) }) else { return true };
     if !crate::sink::address::has_password(&value) {
         return true;
     }
@@ -658,14 +664,8 @@ unsafe extern "C-unwind" fn check_allowed_streams(
     _extra: *mut *mut std::ffi::c_void,
     _source: pg_sys::GucSource::Type,
 ) -> bool {
-    // SAFETY: PostgreSQL passes a valid pointer to the proposed value (a C string or NULL).
-    let value = unsafe {
-        let value = *newval;
-        if value.is_null() {
-            return true;
-        }
-        std::ffi::CStr::from_ptr(value).to_string_lossy().into_owned()
-    };
+    // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
+    let Some(value) = (unsafe { proposed_value(newval) }) else { return true };
     match crate::streams::validate(&value) {
         Ok(()) => true,
         Err(reason) => {

@@ -10,6 +10,7 @@ use redis::{ConnectionAddr, ConnectionInfo};
 
 use super::address::{describe_addr, private_file};
 use super::{BrokerError, EntryOutcome, TlsFiles};
+use crate::entry::NumberText;
 
 /// Server error codes that describe the server's state, not the entry: retried without limit.
 const BROKER_WIDE_CODES: &[&str] = &[
@@ -196,18 +197,9 @@ impl Pipeline {
     }
 
     /// A number followed by CRLF.
-    fn number(&mut self, mut value: u64) {
-        let mut digits = [0u8; 20];
-        let mut at = digits.len();
-        loop {
-            at -= 1;
-            digits[at] = b'0' + (value % 10) as u8;
-            value /= 10;
-            if value == 0 {
-                break;
-            }
-        }
-        self.bytes.extend_from_slice(&digits[at..]);
+    fn number(&mut self, value: u64) {
+        let mut text = NumberText::default();
+        self.bytes.extend_from_slice(text.format(value.min(i64::MAX as u64) as i64).as_bytes());
         self.bytes.extend_from_slice(b"\r\n");
     }
 
