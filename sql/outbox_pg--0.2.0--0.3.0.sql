@@ -67,10 +67,11 @@ END
 $fn$;
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 
+-- The relays read the log in Rust, straight from its indexes (src/batch.rs); _read_shard runs the
+-- same code.
 DROP FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer);
-CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], uptos pg_snapshot[], max_events integer)
+CREATE FUNCTION outbox._read_log(the_shard smallint, cursor text, upto text, max_events integer)
 RETURNS TABLE (
-    shard          smallint,
     txid           bigint,
     id             bigint,
     event_id       text,
@@ -82,43 +83,9 @@ RETURNS TABLE (
     stream         text,
     created_at     text
 )
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET jit = off
--- Index scans of (shard, txid) in txid order, whatever the statistics say: never a sort of the
--- whole window, never a sequential scan of the log.
-SET enable_seqscan = off
-SET enable_sort = off
-SET enable_bitmapscan = off
-AS $fn$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY
-        SELECT x.shard, b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload,
-               b.headers, b.stream, b.created_at
-          FROM unnest(shards, cursors, uptos) AS x(shard, cursor, upto)
-         CROSS JOIN LATERAL (
-                   SELECT e.txid::text::bigint AS txid, e.id, e.event_id::text AS event_id, e.aggregate_type,
-                          e.aggregate_id, e.event_type, e.payload::text AS payload, e.headers::text AS headers,
-                          e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at
-                     FROM outbox.events e
-                    WHERE e.shard = x.shard
-                      AND e.txid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(x.cursor::pg_snapshot)))
-                      AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
-                   UNION ALL
-                   (SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id,
-                           e.event_type, e.payload::text, e.headers::text, e.stream,
-                           to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-                      FROM outbox.events e
-                     WHERE e.shard = x.shard
-                       AND e.txid >= pg_catalog.pg_snapshot_xmax(x.cursor::pg_snapshot)
-                       AND e.txid < pg_catalog.pg_snapshot_xmax(x.upto)
-                       AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
-                     ORDER BY e.txid
-                     LIMIT max_events)) b;
-END
-$fn$;
-REVOKE ALL ON FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot[], integer) FROM PUBLIC;
+LANGUAGE c STRICT VOLATILE
+AS 'MODULE_PATHNAME', 'read_log_wrapper';
+REVOKE ALL ON FUNCTION outbox._read_log(smallint, text, text, integer) FROM PUBLIC;
 
 CREATE OR REPLACE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
 RETURNS TABLE (
@@ -136,9 +103,7 @@ RETURNS TABLE (
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers,
-           b.stream, b.created_at
-      FROM outbox._read_batch(ARRAY[the_shard], ARRAY[cursor::text], ARRAY[upto], max_events) b
+    SELECT * FROM outbox._read_log(the_shard, cursor::text, upto::text, max_events)
 $fn$;
 
 CREATE FUNCTION outbox._record_snapshot(record boolean)

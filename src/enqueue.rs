@@ -349,20 +349,6 @@ fn required<'a>(rule: &Rule, value: Option<&'a str>) -> &'a str {
     value
 }
 
-/// Calls `with` on a jsonb argument's text form (what is sent to Redis), freed afterwards.
-unsafe fn with_jsonb_text<T>(datum: pg_sys::Datum, with: impl FnOnce(&CStr) -> T) -> T {
-    // SAFETY: `datum` is a non-NULL jsonb; detoasting gives the whole value, whose root container
-    // JsonbToCString renders into a palloc'd, NUL-terminated string, freed once `with` is done.
-    unsafe {
-        let jsonb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
-        let size = pgrx::varlena::varsize_any(jsonb as *const pg_sys::varlena) as i32;
-        let text = pg_sys::JsonbToCString(std::ptr::null_mut(), &raw mut (*jsonb).root, size);
-        let result = with(CStr::from_ptr(text));
-        pg_sys::pfree(text.cast());
-        result
-    }
-}
-
 /// Whether a jsonb's root is an object (not an array or a scalar).
 unsafe fn jsonb_is_object(datum: pg_sys::Datum) -> bool {
     // SAFETY: as in `jsonb_text`; the root container's header carries the flags.
@@ -415,8 +401,7 @@ fn outbox_enqueue(
     let headers = headers.unwrap();
     if let Some(headers) = headers {
         // SAFETY: a non-NULL jsonb argument.
-        let (is_object, text) =
-            unsafe { (jsonb_is_object(headers), with_jsonb_text(headers, |text| text.to_string_lossy().into_owned())) };
+        let (is_object, text) = unsafe { (jsonb_is_object(headers), crate::datums::jsonb_text(headers)) };
         if !is_object {
             let start: String = text.chars().take(100).collect();
             refuse(
@@ -463,7 +448,7 @@ fn outbox_enqueue(
 
     // The limit applies to what is sent to Redis: the payload's JSON text.
     // SAFETY: a non-NULL jsonb argument.
-    let payload_bytes = unsafe { with_jsonb_text(payload, |text| text.to_bytes().len()) };
+    let payload_bytes = unsafe { crate::datums::with_jsonb_text(payload, |text| text.to_bytes().len()) };
     let payload_limit = guc::max_payload_size() as usize;
     if payload_bytes > payload_limit {
         refuse(

@@ -6,6 +6,9 @@
 //! - `enqueue`: `outbox_enqueue`, the function on the application's path.
 //! - `api`: the other SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
 //! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
+//! - `batch`: the batch rule: a shard's window of the log, read from its index (relays, and
+//!   `outbox._read_shard`).
+//! - `datums`: values read straight from their datums, for the paths that skip the executor.
 //! - `order`: the shard of an aggregate, and the order lock that makes id order commit order.
 //! - `claims`: what each relay has in flight (shared memory), for the stats.
 //! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
@@ -21,7 +24,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pgrx::prelude::*;
 
 mod api;
+mod batch;
 mod claims;
+mod datums;
 mod enqueue;
 mod entry;
 mod guc;

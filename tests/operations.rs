@@ -384,11 +384,12 @@ fn logged_plans<'a>(log: &'a str, query_start: &str) -> Vec<&'a str> {
 }
 
 /// The log's statistics are stale by nature: ANALYZE may run while a large enqueue is still
-/// uncommitted (it counts no rows) or while the table is empty. The relays' statements must still
-/// walk the (shard, txid) index in txid order and stop at the batch size, and probe counters by
-/// primary key, never scan or sort the log: in the old design a claim that sorted every
+/// uncommitted (it counts no rows) or while the table is empty. The relays must still probe
+/// counters by primary key, never scan them: in the old design a claim that sorted every
 /// undelivered row took 500 ms per 100 events under a backlog. What this pins is the plans' shape,
-/// read from auto_explain, with the statistics at their most misleading.
+/// read from auto_explain, with the statistics at their most misleading. (The log itself is read
+/// without the planner, straight from its (shard, txid) index, src/batch.rs: here it only has to
+/// stop at the batch size.)
 #[test]
 fn the_relays_statements_keep_their_index_plans_when_statistics_are_stale() {
     let env = Env::start(&["outbox.enabled = off"]);
@@ -434,17 +435,6 @@ fn the_relays_statements_keep_their_index_plans_when_statistics_are_stale() {
     }
     let log = env.pg.log();
     let log = &log[log_before..];
-    let reads = logged_plans(log, "SELECT x.shard, b.txid");
-    assert!(reads.len() >= 6, "auto_explain logged the batch reads: {}", reads.len());
-    for plan in reads {
-        assert!(
-            plan.contains("Index Scan using events_0_batch_idx"),
-            "the read walks the (shard, txid) index:\n{plan}"
-        );
-        assert!(!plan.contains("Seq Scan on events_"), "no sequential scan of the log:\n{plan}");
-        // (A Merge Append of the three tables' index scans has a sort key, but sorts nothing.)
-        assert!(!plan.contains("Sort  (cost"), "no sort of the log:\n{plan}");
-    }
     let probes = logged_plans(log, "SELECT a.ordinal, c.last_seq");
     assert!(probes.len() >= 6, "auto_explain logged the counter probes: {}", probes.len());
     for plan in probes {

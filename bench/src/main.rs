@@ -76,6 +76,7 @@ fn main() {
         "all" => run_all(&args),
         "baseline-relay" => baseline_relay(&args),
         "sustained" => sustained(&args),
+        "drain" => drain_only(&args),
         other => Err(format!("unknown command {other:?}").into()),
     });
     if let Err(error) = result {
@@ -895,6 +896,39 @@ unsafe fn libc_sysconf_clk_tck() -> i64 {
     }
     // _SC_CLK_TCK is 2 on Linux.
     unsafe { sysconf(2) }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Drain only: the drain figures side by side, for a quick comparison of two builds on one day.
+// ------------------------------------------------------------------------------------------------
+
+/// One worker, the one-aggregate backlog, and the external relay with one and two processes, each
+/// twice (the second run shows the spread); printed, not written to the results.
+fn drain_only(args: &Args) -> Result<()> {
+    let events = if args.quick { 20_000 } else { 100_000 };
+    let mut admin = pg(&args.pg)?;
+    admin.batch_execute(SEED_OUTBOX_DDL)?;
+    for round in 1..=2 {
+        let one = drain_in_server(args, events, 10_000, 1)?;
+        let single = drain_in_server(args, events, 1, 1)?;
+        configure(&mut admin, &[("outbox.enabled", "off")])?;
+        let external: Vec<Drain> = [1, 2]
+            .into_iter()
+            .map(|processes| drain_baseline(args, events, 10_000, processes))
+            .collect::<Result<_>>()?;
+        let best = external.iter().map(|d| d.events_per_s).fold(0.0, f64::max);
+        eprintln!(
+            "round {round}: 1 worker {:.0}/s ({:.1} µs/event), one aggregate {:.0}/s, external 1/2 {:.0}/{:.0}/s ({:.1} µs/event); 1 worker / best external {:.2}x",
+            one.events_per_s,
+            one.cpu_us_per_event,
+            single.events_per_s,
+            external[0].events_per_s,
+            external[1].events_per_s,
+            external[0].cpu_us_per_event,
+            one.events_per_s / best
+        );
+    }
+    Ok(())
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ BEGIN
     SELECT min(u.created_at) INTO oldest
       FROM outbox.shards s
      CROSS JOIN LATERAL (
-               -- Two index ranges per shard, as the relays read them (outbox._read_batch).
+               -- Two index ranges per shard, as the relays read them (src/batch.rs).
                SELECT min(e.created_at) AS created_at
                  FROM outbox.events e
                 WHERE e.shard = s.shard AND e.txid >= pg_snapshot_xmax(s.cursor)

@@ -1,7 +1,8 @@
 -- The statements the relay workers run, in schema outbox: claim shards, read a batch from the log,
 -- finish it (cursor, counters, the failure path), housekeeping (reaper, retention). They live here
--- so that they can be read, explained and tested from psql; the worker calls them through SPI.
--- PL/pgSQL rather than SQL functions: it keeps their plans for the session. Not for applications:
+-- so that they can be read, explained and tested from psql; the worker calls them through SPI
+-- (except the read of the log, which it runs in Rust: outbox._read_log). PL/pgSQL rather than SQL
+-- functions: it keeps their plans for the session. Not for applications:
 -- EXECUTE is revoked from PUBLIC. The design is in docs/worker.md, "The log".
 
 -- All the events, whichever generation holds them. Reading through this view lets the planner
@@ -73,16 +74,12 @@ BEGIN
 END
 $fn$;
 
--- A round's batch, for every shard the relay holds in one statement (one statement per shard would
--- cost a round trip through the executor each): per shard, the events of the transactions visible
--- in its upto and not in its cursor. Transactions that were running when the cursor was taken are found
--- through the cursor's in-progress list, the others through the range from the cursor's xmax, so a
--- long transaction never makes a batch rescan what was consumed after it began. The range part stops
--- after max_events rows, in txid order (the relay passes no limit: a window is read whole, see
--- "Why a window is read whole" in docs/worker.md).
-CREATE FUNCTION outbox._read_batch(shards smallint[], cursors text[], uptos pg_snapshot[], max_events integer)
+-- One shard's window of the log: the events of the transactions visible in upto and not in the
+-- cursor, oldest transaction first, the range part cut after max_events rows. The relays run the
+-- same code (src/batch.rs: the rule exists once) straight on the (shard, txid) indexes; this is
+-- it for tests and diagnosis.
+CREATE FUNCTION outbox._read_log(the_shard smallint, cursor text, upto text, max_events integer)
 RETURNS TABLE (
-    shard          smallint,
     txid           bigint,
     id             bigint,
     event_id       text,
@@ -94,45 +91,9 @@ RETURNS TABLE (
     stream         text,
     created_at     text
 )
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET jit = off
--- Index scans of (shard, txid) in txid order, whatever the statistics say: never a sort of the
--- whole window, never a sequential scan of the log.
-SET enable_seqscan = off
-SET enable_sort = off
-SET enable_bitmapscan = off
-AS $fn$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY
-        SELECT x.shard, b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload,
-               b.headers, b.stream, b.created_at
-          FROM unnest(shards, cursors, uptos) AS x(shard, cursor, upto)
-         CROSS JOIN LATERAL (
-                   SELECT e.txid::text::bigint AS txid, e.id, e.event_id::text AS event_id, e.aggregate_type,
-                          e.aggregate_id, e.event_type, e.payload::text AS payload, e.headers::text AS headers,
-                          e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"') AS created_at
-                     FROM outbox.events e
-                    WHERE e.shard = x.shard
-                      AND e.txid = ANY (ARRAY(SELECT pg_catalog.pg_snapshot_xip(x.cursor::pg_snapshot)))
-                      AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
-                   UNION ALL
-                   (SELECT e.txid::text::bigint, e.id, e.event_id::text, e.aggregate_type, e.aggregate_id,
-                           e.event_type, e.payload::text, e.headers::text, e.stream,
-                           to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
-                      FROM outbox.events e
-                     WHERE e.shard = x.shard
-                       AND e.txid >= pg_catalog.pg_snapshot_xmax(x.cursor::pg_snapshot)
-                       AND e.txid < pg_catalog.pg_snapshot_xmax(x.upto)
-                       AND pg_catalog.pg_visible_in_snapshot(e.txid, x.upto)
-                     ORDER BY e.txid
-                     LIMIT max_events)) b;
-END
-$fn$;
+LANGUAGE c STRICT VOLATILE
+AS 'MODULE_PATHNAME', 'read_log_wrapper';
 
--- One shard's batch, as outbox._read_batch reads it (the rule exists once): for tests and
--- diagnosis.
 CREATE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
 RETURNS TABLE (
     txid           bigint,
@@ -149,9 +110,7 @@ RETURNS TABLE (
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT b.txid, b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers,
-           b.stream, b.created_at
-      FROM outbox._read_batch(ARRAY[the_shard], ARRAY[cursor::text], ARRAY[upto], max_events) b
+    SELECT * FROM outbox._read_log(the_shard, cursor::text, upto::text, max_events)
 $fn$;
 
 COMMENT ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) IS
@@ -487,7 +446,7 @@ COMMENT ON FUNCTION outbox._retention(interval, boolean) IS
 REVOKE ALL ON FUNCTION outbox._initial_cursor() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot[], integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._read_log(smallint, text, text, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._record_snapshot(boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._cursor_below(pg_snapshot, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._counters(text[], text[]) FROM PUBLIC;

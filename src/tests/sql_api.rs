@@ -492,6 +492,40 @@ fn a_long_transaction_never_makes_a_batch_rescan_what_was_consumed() {
     assert!(pages < 50, "reading one event past 20,000 consumed ones touched {pages} pages");
 }
 
+/// The relays read the log straight from its datums (src/batch.rs); what they send must be what
+/// PostgreSQL's own text forms give: the uuid, the jsonb texts (a large payload is toasted), NULLs,
+/// and created_at in RFC 3339, UTC, whatever the session's time zone.
+#[pg_test]
+fn the_log_is_read_as_postgresql_writes_its_values() {
+    Spi::run("SET LOCAL timezone = 'America/St_Johns'").unwrap();
+    Spi::run(
+        "SELECT outbox_enqueue('acct', 'ü-1', 'opened', jsonb_build_object('name', 'Zoë', 'n', 1.50, 'big', repeat('x', 100000)),
+                               '{\"trace\": \"t-1\"}', 'custom:stream');
+         SELECT outbox_enqueue('acct', 'ü-1', 'closed', '[1, {\"a\": null}]')",
+    )
+    .unwrap();
+    let shard = Spi::get_one::<i16>("SELECT outbox._shard_of('acct', 'ü-1')").unwrap().unwrap();
+    let differences = Spi::get_one::<i64>(&format!(
+        "SELECT count(*) FROM (
+             SELECT b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers, b.stream, b.created_at
+               FROM outbox._read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000) b
+             EXCEPT
+             SELECT e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text, e.headers::text, e.stream,
+                    to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
+               FROM outbox.events e) d"
+    ))
+    .unwrap();
+    assert_eq!(differences, Some(0));
+    let read = Spi::get_one::<i64>(&format!(
+        "SELECT count(*) FROM outbox._read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000)"
+    ))
+    .unwrap();
+    assert_eq!(read, Some(2));
+    let (sqlstate, message) = error_of("SELECT * FROM outbox._read_log(0::smallint, 'not a snapshot', '1:1:', 10)");
+    assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    assert!(message.contains("cursor \"not a snapshot\" is not a pg_snapshot"), "{message}");
+}
+
 /// A backlog of one aggregate costs a batch no more than many aggregates do: the read is one index
 /// range, whatever the aggregates.
 #[pg_test]

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
 
+use crate::batch::{read_window, Snapshot};
 use crate::claims;
 use crate::entry::OutboxEvent;
 use crate::guc::FaultInjection;
@@ -82,9 +83,6 @@ pub enum TickOutcome {
 }
 
 const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded FROM outbox._claim_shards($1, $2, $3)";
-const READ_BATCH: &str =
-    "SELECT shard, txid, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, \
-                          stream, created_at FROM outbox._read_batch($1, $2, $3::pg_snapshot[], $4)";
 const HELD_DUE: &str =
     "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
                         stream, created_at FROM outbox._held_due($1, $2, $3)";
@@ -216,23 +214,6 @@ struct Batch {
     catching_up: bool,
 }
 
-/// A row of outbox._read_batch: (shard, txid, then the event's columns). Its aggregate_seq is
-/// assigned later (read_round).
-fn log_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
-    Ok(OutboxEvent {
-        id: row.get::<i64>(3)?.unwrap_or_default(),
-        event_id: row.get::<String>(4)?.unwrap_or_default(),
-        aggregate_type: row.get::<String>(5)?.unwrap_or_default(),
-        aggregate_id: row.get::<String>(6)?.unwrap_or_default(),
-        aggregate_seq: 0,
-        event_type: row.get::<String>(7)?.unwrap_or_default(),
-        payload: row.get::<String>(8)?.unwrap_or_default(),
-        headers: row.get::<String>(9)?,
-        stream: row.get::<String>(10)?,
-        created_at: row.get::<String>(11)?.unwrap_or_default(),
-    })
-}
-
 /// An event of the failure path: (id, event_id, aggregate_type, aggregate_id, aggregate_seq,
 /// event_type, payload, headers, stream, created_at), as outbox._held_due returns it.
 fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
@@ -294,35 +275,24 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
             claimed.retain(|(shard, ..)| full || flagged & (1u32 << (*shard as u32 % 32)) != 0);
             let limit = settings.batch_size.min(i32::MAX as usize) as i32;
-            // Every shard's window at once, whole: a cut inside a window would break commit order.
-            let reading: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
-            let cursors: Vec<String> = claimed.iter().map(|(_, cursor, ..)| cursor.clone()).collect();
-            let uptos: Vec<String> = claimed.iter().map(|(.., upto, _)| upto.clone()).collect();
             batch.catching_up = claimed.iter().any(|(.., bounded)| *bounded);
             batch.more |= batch.catching_up;
-            let mut by_shard: Map<i16, Vec<OutboxEvent>> = Map::default();
-            let rows = if reading.is_empty() {
-                Vec::new()
-            } else {
-                client
-                    .update(READ_BATCH, None, &[reading.into(), cursors.into(), uptos.into(), i32::MAX.into()])?
-                    .collect::<Vec<_>>()
-            };
-            for row in rows {
-                let shard = row.get::<i16>(1)?.unwrap_or_default();
-                by_shard.entry(shard).or_default().push(log_event(&row)?);
-            }
+            // Every shard's window, whole: a cut inside a window would break commit order.
             let mut log = Vec::new();
-            for (shard, _, age_ms, upto, bounded) in &claimed {
-                let events = by_shard.remove(shard).unwrap_or_default();
-                let next_cursor = upto.clone();
+            for (shard, cursor, age_ms, upto, bounded) in &claimed {
+                let parse = |text: &str| {
+                    Snapshot::parse(text).unwrap_or_else(|| {
+                        error!("outbox_pg: shard {shard}'s cursor or snapshot {text:?} is not a pg_snapshot")
+                    })
+                };
+                let events = read_window(*shard, &parse(cursor), &parse(upto), usize::MAX);
                 // A lagging shard steps to its recorded snapshot even when that window is empty:
                 // its next window then starts from there.
                 let advance = !events.is_empty()
                     || *bounded
                     || (full && Duration::from_millis(*age_ms as u64) >= IDLE_CURSOR_MOVE);
-                batch.shards.push(ShardBatch { shard: *shard, next_cursor, advance });
-                log.extend(events);
+                batch.shards.push(ShardBatch { shard: *shard, next_cursor: upto.clone(), advance });
+                log.extend(events.into_iter().map(|row| row.event));
             }
             if held_any {
                 let held =

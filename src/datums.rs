@@ -1,0 +1,114 @@
+//! PostgreSQL values read straight from their datums, in the text form the stream entries carry:
+//! for the paths that skip the executor (the enqueue's direct insert, the relays' log reads).
+
+use std::ffi::CStr;
+use std::fmt::Write;
+
+use pgrx::pg_sys;
+
+/// A text datum's value (UTF-8: the extension lives only in UTF8 databases, src/sql/schema.sql).
+///
+/// # Safety
+/// `datum` is a non-NULL text (or varchar) datum.
+pub unsafe fn text(datum: pg_sys::Datum) -> String {
+    // SAFETY: detoasted (a copy only if it was toasted) and copied out.
+    unsafe {
+        let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
+        let len = pgrx::varlena::varsize_any_exhdr(text);
+        let bytes = std::slice::from_raw_parts(pgrx::varlena::vardata_any(text) as *const u8, len);
+        String::from_utf8_lossy(bytes).into_owned()
+    }
+}
+
+/// Calls `with` on a jsonb's text form (what is sent to Redis), freed afterwards.
+///
+/// # Safety
+/// `datum` is a non-NULL jsonb datum.
+pub unsafe fn with_jsonb_text<T>(datum: pg_sys::Datum, with: impl FnOnce(&CStr) -> T) -> T {
+    // SAFETY: detoasting gives the whole value, whose root container JsonbToCString renders into
+    // a palloc'd, NUL-terminated string, freed once `with` is done.
+    unsafe {
+        let jsonb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
+        let size = pgrx::varlena::varsize_any(jsonb as *const pg_sys::varlena) as i32;
+        let text = pg_sys::JsonbToCString(std::ptr::null_mut(), &raw mut (*jsonb).root, size);
+        let result = with(CStr::from_ptr(text));
+        pg_sys::pfree(text.cast());
+        result
+    }
+}
+
+/// A jsonb's text form, as `jsonb::text` gives it.
+///
+/// # Safety
+/// `datum` is a non-NULL jsonb datum.
+pub unsafe fn jsonb_text(datum: pg_sys::Datum) -> String {
+    // SAFETY: as in with_jsonb_text.
+    unsafe { with_jsonb_text(datum, |text| text.to_string_lossy().into_owned()) }
+}
+
+/// A uuid's text form, as `uuid::text` gives it (lower-case, hyphenated).
+///
+/// # Safety
+/// `datum` is a non-NULL uuid datum (a pointer to its 16 bytes).
+pub unsafe fn uuid_text(datum: pg_sys::Datum) -> String {
+    // SAFETY: a uuid datum points at 16 bytes.
+    let bytes = unsafe { *(datum.cast_mut_ptr::<[u8; 16]>()) };
+    uuid::Uuid::from_bytes(bytes).hyphenated().to_string()
+}
+
+/// Microseconds between 1970-01-01 and PostgreSQL's epoch, 2000-01-01 (UTC).
+const POSTGRES_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+
+/// A timestamptz (microseconds since 2000-01-01 UTC) in RFC 3339 with microseconds, UTC, as
+/// `to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')` gives it; the infinities as
+/// PostgreSQL spells them.
+pub fn timestamptz_text(microseconds: i64) -> String {
+    match microseconds {
+        i64::MIN => return "-infinity".into(),
+        i64::MAX => return "infinity".into(),
+        _ => {}
+    }
+    let unix = microseconds.saturating_add(POSTGRES_EPOCH_UNIX_US);
+    let (days, of_day) = (unix.div_euclid(86_400_000_000), unix.rem_euclid(86_400_000_000));
+    let (year, month, day) = civil_from_days(days);
+    let seconds = of_day / 1_000_000;
+    let mut out = String::with_capacity(27);
+    let _ = write!(
+        out,
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        seconds / 3600,
+        seconds / 60 % 60,
+        seconds % 60,
+        of_day % 1_000_000
+    );
+    out
+}
+
+/// The proleptic Gregorian date of a day count from 1970-01-01 (Howard Hinnant's algorithm).
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z.rem_euclid(146_097);
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let mp = (5 * day_of_year + 2) / 153;
+    let day = (day_of_year - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (year_of_era + era * 400 + i64::from(month <= 2), month, day)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::timestamptz_text;
+
+    #[test]
+    fn timestamps_are_written_as_rfc_3339_in_utc() {
+        assert_eq!(timestamptz_text(0), "2000-01-01T00:00:00.000000Z");
+        assert_eq!(timestamptz_text(-1), "1999-12-31T23:59:59.999999Z");
+        // 2026-11-29 20:00:00.123456 UTC
+        assert_eq!(timestamptz_text(849_297_600_123_456), "2026-11-29T20:00:00.123456Z");
+        // A leap day.
+        assert_eq!(timestamptz_text(131_328_000_000_000), "2004-02-29T00:00:00.000000Z");
+        assert_eq!(timestamptz_text(i64::MAX), "infinity");
+    }
+}
