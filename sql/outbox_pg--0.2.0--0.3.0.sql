@@ -203,3 +203,35 @@ LANGUAGE c VOLATILE PARALLEL UNSAFE
 SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
 DROP FUNCTION outbox._prepare_enqueue(text, text, text, text);
+
+-- Comment only: the relays read the log in Rust now (src/batch.rs).
+CREATE OR REPLACE FUNCTION outbox.oldest_pending_age()
+RETURNS interval
+LANGUAGE plpgsql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+DECLARE
+    oldest timestamptz;
+    now_snapshot pg_snapshot := pg_current_snapshot();
+BEGIN
+    SELECT min(u.created_at) INTO oldest
+      FROM outbox.shards s
+     CROSS JOIN LATERAL (
+               -- Two index ranges per shard, as the relays read them (src/batch.rs).
+               SELECT min(e.created_at) AS created_at
+                 FROM outbox.events e
+                WHERE e.shard = s.shard AND e.txid >= pg_snapshot_xmax(s.cursor)
+                  AND pg_visible_in_snapshot(e.txid, now_snapshot)
+               UNION ALL
+               SELECT min(e.created_at)
+                 FROM outbox.events e
+                WHERE e.shard = s.shard AND e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.cursor)))
+                  AND pg_visible_in_snapshot(e.txid, now_snapshot)
+               UNION ALL
+               SELECT min(h.created_at) FROM outbox.held h WHERE h.shard = s.shard AND h.status = 'waiting') u;
+    RETURN clock_timestamp() - oldest;
+END
+$fn$;

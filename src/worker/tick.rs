@@ -231,6 +231,20 @@ fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::sp
     })
 }
 
+thread_local! {
+    /// The shards this relay held at its last round (one bit each).
+    static HELD_SHARDS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Which shards a round reads outside a full read, and which commit flags it gives back, from the
+/// shards held last round (`held_before`), their flags taken before the claim (`flagged_before`)
+/// and the shards held now (`mine`): the flagged ones still held, and every shard newly taken
+/// (its flags may have been taken by its previous holder); the flags of shards given up go back
+/// for their new holder.
+fn shards_to_read(held_before: u32, flagged_before: u32, mine: u32) -> (u32, u32) {
+    ((flagged_before & mine) | (mine & !held_before), flagged_before & !mine)
+}
+
 /// Claims this relay's shards and reads a round: each shard's whole window (every event committed
 /// between its cursor and the claim's snapshot, or, for a shard more than a second behind, the
 /// next recorded snapshot; see "Why a window is read whole" and "Catching up" in
@@ -248,6 +262,12 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             let mut batch = Batch { installation, ..Batch::default() };
             let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
             let mut held_any = false;
+            // The commit flags of the shards held last round, taken before the claim's snapshot:
+            // a commit that flagged one of them was visible before it, so its events are in this
+            // round's window. (Taken after, a commit between the two was flagged, taken, and not
+            // yet in the window: its events then waited for the next full read.)
+            let held_before = HELD_SHARDS.get();
+            let flagged_before = shmem::take_committed_shards(held_before);
             // (shard, cursor, cursor age, what it reads up to, whether that is a recorded snapshot)
             let mut claimed: Vec<(i16, String, i64, String, bool)> = Vec::new();
             for row in
@@ -265,12 +285,18 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
                 ));
                 held_any = row.get::<bool>(5)?.unwrap_or(true);
             }
+            // Outside a full read, only the shards that commits flagged since the last round, and
+            // those this relay did not hold then.
+            let mine: u32 = claimed.iter().fold(0, |mask, (shard, ..)| mask | 1u32 << (*shard as u32 % 32));
+            let (flagged, given_back) = shards_to_read(held_before, flagged_before, mine);
+            if given_back != 0 {
+                shmem::mark_shards_committed(given_back);
+                shmem::wake_relays();
+            }
+            HELD_SHARDS.set(mine);
             if claimed.is_empty() {
                 return Ok(Ok(batch));
             }
-            // Outside a full read, only the shards that commits flagged since the last round.
-            let mine: u32 = claimed.iter().fold(0, |mask, (shard, ..)| mask | 1u32 << (*shard as u32 % 32));
-            let flagged = shmem::take_committed_shards(mine);
             let full = settings.full_read;
             let shards: Vec<i16> = claimed.iter().map(|(shard, ..)| *shard).collect();
             claimed.retain(|(shard, ..)| full || flagged & (1u32 << (*shard as u32 % 32)) != 0);
@@ -711,7 +737,9 @@ fn crash_after_publish(published: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::{deferred_by_stream_change, distinct_aggregates, next_pipeline, PipelineLimits, Source};
+    use super::{
+        deferred_by_stream_change, distinct_aggregates, next_pipeline, shards_to_read, PipelineLimits, Source,
+    };
     use crate::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -744,6 +772,21 @@ mod tests {
         deferred.sort_unstable();
         // Event 5 goes to the run's key again, but after a cut its aggregate waits.
         assert_eq!(deferred, [4, 5]);
+    }
+
+    #[test]
+    fn a_round_reads_the_flagged_shards_it_kept_and_every_shard_it_took() {
+        // Held 0-3, of which 0 and 1 were flagged (only held shards' flags are taken). Now 2-5.
+        let held_before = 0b0000_1111;
+        let flagged_before = 0b0000_0011;
+        let mine = 0b0011_1100;
+        let (read, given_back) = shards_to_read(held_before, flagged_before, mine);
+        // Kept and flagged: none (1 was given up); newly taken: 4 and 5.
+        assert_eq!(read, 0b0011_0000);
+        // Shards 0 and 1 were given up: their flags (0 and 1) go back for their new holder.
+        assert_eq!(given_back, 0b0000_0011);
+        // Kept and flagged: read; kept and not flagged: not read.
+        assert_eq!(shards_to_read(0b0110, 0b0100, 0b0110), (0b0100, 0));
     }
 
     #[test]
