@@ -235,3 +235,10 @@ BEGIN
     RETURN clock_timestamp() - oldest;
 END
 $fn$;
+
+-- The counters are read in Rust too, straight from their primary key (src/counters.rs): a
+-- generic plan made while outbox.aggregates was empty joined every counter with every aggregate.
+CREATE OR REPLACE FUNCTION outbox._counters(aggregate_types text[], aggregate_ids text[])
+RETURNS TABLE (ordinal bigint, last_seq bigint)
+LANGUAGE c STRICT STABLE
+AS 'MODULE_PATHNAME', 'counters_wrapper';

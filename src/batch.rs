@@ -69,17 +69,14 @@ pub fn read_window(shard: i16, cursor: &Snapshot, upto: &Snapshot, max_events: u
     // SAFETY: inside a transaction; every relation opened here is closed here, the registered
     // snapshot outlives the scans, and tuples are read only while their scan is on them.
     unsafe {
-        let schema = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if schema == pg_sys::InvalidOid {
-            error!("outbox_pg: schema \"outbox\" does not exist; the log cannot be read");
-        }
         // Taken now: it sees every transaction `upto` shows as completed (upto was taken before).
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
         let mut in_progress = Vec::new();
         let mut range = Vec::new();
         for (table, index) in LOG_TABLES {
-            let heap = pg_sys::table_open(relation(schema, table), pg_sys::AccessShareLock as pg_sys::LOCKMODE);
-            let index = relation(schema, index);
+            let heap =
+                pg_sys::table_open(datums::outbox_relation(table, READER), pg_sys::AccessShareLock as pg_sys::LOCKMODE);
+            let index = datums::outbox_relation(index, READER);
             let columns = Columns::of(heap);
             for &txid in cursor.xip.iter().filter(|&&txid| upto.sees(txid)) {
                 scan(
@@ -109,22 +106,14 @@ pub fn read_window(shard: i16, cursor: &Snapshot, upto: &Snapshot, max_events: u
     }
 }
 
+/// Who reads, for the errors.
+const READER: &str = "outbox_pg (reading the log)";
+
 /// The three generations of the log and their `(shard, txid)` indexes (src/sql/schema.sql).
 const LOG_TABLES: [(&CStr, &CStr); 3] =
     [(c"events_0", c"events_0_batch_idx"), (c"events_1", c"events_1_batch_idx"), (c"events_2", c"events_2_batch_idx")];
 
-/// A relation of schema `outbox` by name.
-unsafe fn relation(schema: pg_sys::Oid, name: &CStr) -> pg_sys::Oid {
-    // SAFETY: a syscache lookup.
-    let oid = unsafe { pg_sys::get_relname_relid(name.as_ptr(), schema) };
-    if oid == pg_sys::InvalidOid {
-        error!("outbox_pg: relation outbox.{} does not exist; the log cannot be read", name.to_string_lossy());
-    }
-    oid
-}
-
-/// The attribute numbers (1-based) of a log table's columns, found by name: a column a DBA added
-/// shifts nothing.
+/// The attribute numbers (1-based) of a log table's columns.
 struct Columns {
     txid: usize,
     shard: usize,
@@ -142,20 +131,9 @@ struct Columns {
 
 impl Columns {
     unsafe fn of(heap: pg_sys::Relation) -> Columns {
-        // SAFETY: an open relation; its descriptor lives as long as it is open.
+        // SAFETY: an open relation.
         unsafe {
-            let descriptor = (*heap).rd_att;
-            let natts = (*descriptor).natts as usize;
-            let attributes = (*descriptor).attrs.as_slice(natts);
-            let find = |name: &str| {
-                attributes
-                    .iter()
-                    .position(|a| {
-                        !a.attisdropped && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes()
-                    })
-                    .map(|n| n + 1)
-                    .unwrap_or_else(|| error!("outbox_pg: the log table has no column {name}; the log cannot be read"))
-            };
+            let find = |name| datums::column(heap, name);
             Columns {
                 txid: find("txid"),
                 shard: find("shard"),
@@ -168,7 +146,7 @@ impl Columns {
                 headers: find("headers"),
                 stream: find("stream"),
                 created_at: find("created_at"),
-                natts,
+                natts: (*(*heap).rd_att).natts as usize,
             }
         }
     }

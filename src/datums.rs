@@ -1,10 +1,52 @@
-//! PostgreSQL values read straight from their datums, in the text form the stream entries carry:
-//! for the paths that skip the executor (the enqueue's direct insert, the relays' log reads).
+//! Reading outbox's tables without the executor, for the paths that skip it (the enqueue's direct
+//! insert, the relays' reads of the log and the counters): relations and columns by name, and
+//! values straight from their datums, in the text form the stream entries carry.
 
 use std::ffi::CStr;
 use std::fmt::Write;
 
-use pgrx::pg_sys;
+use pgrx::prelude::*;
+
+/// A relation of schema `outbox` by name, for `reader` (named in the error when it is missing).
+///
+/// # Safety
+/// Inside a transaction.
+pub unsafe fn outbox_relation(name: &CStr, reader: &str) -> pg_sys::Oid {
+    // SAFETY: syscache lookups; missing_ok, so they return InvalidOid rather than raising.
+    unsafe {
+        let schema = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        let oid = if schema == pg_sys::InvalidOid {
+            pg_sys::InvalidOid
+        } else {
+            pg_sys::get_relname_relid(name.as_ptr(), schema)
+        };
+        if oid == pg_sys::InvalidOid {
+            error!("{reader}: relation outbox.{} does not exist; is outbox_pg installed?", name.to_string_lossy());
+        }
+        oid
+    }
+}
+
+/// The attribute number (1-based) of an open relation's column, found by name: a column a DBA
+/// added shifts nothing.
+///
+/// # Safety
+/// `relation` is open.
+pub unsafe fn column(relation: pg_sys::Relation, name: &str) -> usize {
+    // SAFETY: an open relation; its descriptor lives as long as it is open.
+    unsafe {
+        let descriptor = (*relation).rd_att;
+        let attributes = (*descriptor).attrs.as_slice((*descriptor).natts as usize);
+        attributes
+            .iter()
+            .position(|a| !a.attisdropped && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes())
+            .map(|n| n + 1)
+            .unwrap_or_else(|| {
+                let table = CStr::from_ptr((*(*relation).rd_rel).relname.data.as_ptr()).to_string_lossy();
+                error!("outbox_pg: table outbox.{table} has no column {name}")
+            })
+    }
+}
 
 /// A text datum's value (UTF-8: the extension lives only in UTF8 databases, src/sql/schema.sql).
 ///

@@ -8,7 +8,8 @@
 //! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
 //! - `batch`: the batch rule: a shard's window of the log, read from its index (relays, and
 //!   `outbox._read_shard`).
-//! - `datums`: values read straight from their datums, for the paths that skip the executor.
+//! - `counters`: the per-aggregate `aggregate_seq` counters, read from their primary key.
+//! - `datums`: relations, columns and values read without the executor.
 //! - `order`: the shard of an aggregate, and the order lock that makes id order commit order.
 //! - `claims`: what each relay has in flight (shared memory), for the stats.
 //! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
@@ -26,6 +27,7 @@ use pgrx::prelude::*;
 mod api;
 mod batch;
 mod claims;
+mod counters;
 mod datums;
 mod enqueue;
 mod entry;

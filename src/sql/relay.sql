@@ -1,7 +1,8 @@
 -- The statements the relay workers run, in schema outbox: claim shards, read a batch from the log,
 -- finish it (cursor, counters, the failure path), housekeeping (reaper, retention). They live here
 -- so that they can be read, explained and tested from psql; the worker calls them through SPI
--- (except the read of the log, which it runs in Rust: outbox._read_log). PL/pgSQL rather than SQL
+-- (except the reads of the log and of the counters, which it runs in Rust: outbox._read_log,
+-- outbox._counters). PL/pgSQL rather than SQL
 -- functions: it keeps their plans for the session. Not for applications:
 -- EXECUTE is revoked from PUBLIC. The design is in docs/worker.md, "The log".
 
@@ -129,24 +130,12 @@ AS $fn$
 $fn$;
 
 -- The last aggregate_seq of each of these aggregates (1-based positions; absent: none yet). One
--- primary-key probe per aggregate.
+-- primary-key probe per aggregate, straight from the index, whatever the statistics: the relays
+-- run the same code (src/counters.rs); this is it for tests and diagnosis.
 CREATE FUNCTION outbox._counters(aggregate_types text[], aggregate_ids text[])
 RETURNS TABLE (ordinal bigint, last_seq bigint)
-LANGUAGE plpgsql STABLE
-SET search_path = pg_catalog, pg_temp
-SET jit = off
-SET enable_seqscan = off
-AS $fn$
-#variable_conflict use_column
-BEGIN
-    RETURN QUERY
-        SELECT a.ordinal, c.last_seq
-          FROM unnest(aggregate_types, aggregate_ids) WITH ORDINALITY AS a(aggregate_type, aggregate_id, ordinal)
-         CROSS JOIN LATERAL (
-                   SELECT g.last_seq FROM outbox.aggregates g
-                    WHERE g.aggregate_type = a.aggregate_type COLLATE "C" AND g.aggregate_id = a.aggregate_id COLLATE "C") c;
-END
-$fn$;
+LANGUAGE c STRICT STABLE
+AS 'MODULE_PATHNAME', 'counters_wrapper';
 
 -- Which of these aggregates have events on the failure path (waiting or failed in outbox.held):
 -- their new events must wait behind those. 1-based positions.

@@ -17,6 +17,7 @@ use pgrx::prelude::*;
 
 use crate::batch::{read_window, Snapshot};
 use crate::claims;
+use crate::counters;
 use crate::entry::OutboxEvent;
 use crate::guc::FaultInjection;
 use crate::shmem;
@@ -87,7 +88,6 @@ const HELD_DUE: &str =
     "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
                         stream, created_at FROM outbox._held_due($1, $2, $3)";
 const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
-const COUNTERS: &str = "SELECT ordinal, last_seq FROM outbox._counters($1, $2)";
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
 const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6)";
@@ -334,11 +334,7 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             if !aggregates.is_empty() {
                 let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
                 let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
-                let mut last_seq = vec![0i64; aggregates.len()];
-                for row in client.update(COUNTERS, None, &[types.clone().into(), ids.clone().into()])? {
-                    let position = row.get::<i64>(1)?.unwrap_or_default() as usize;
-                    last_seq[position - 1] = row.get::<i64>(2)?.unwrap_or_default();
-                }
+                let mut last_seq = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
                 let mut waiting = Set::default();
                 if settings.in_order && held_any {
                     for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
