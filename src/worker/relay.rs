@@ -27,12 +27,23 @@ const BACKOFF_CAP: Duration = Duration::from_secs(10);
 const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
 /// While the oldest pending event stays above `outbox.alert_age`, repeat the WARNING this often.
 const ALERT_REPEAT: Duration = Duration::from_secs(60);
-/// After a round that published a partial batch, events are arriving one commit at a time: pause
-/// this long before the next claim so that a round carries several of them. Each round costs two
-/// short transactions whatever its size, so under a steady stream of small commits this trades
-/// well under a millisecond of latency for a fraction of the relay's CPU. An idle relay is woken
-/// at once by the first commit; only the rounds that follow a busy one wait.
-const COALESCE_WINDOW: Duration = Duration::from_micros(500);
+/// After a round that published a partial batch, events are arriving one commit at a time: the
+/// relay pauses before the next claim so that a round carries several of them. Each round costs
+/// two short transactions and a Redis round trip whatever its size (about 0.1 to 0.3 ms of CPU),
+/// so under a steady stream of small commits one round per commit would take a good part of a
+/// core from the application. The pause grows with the last round's size, COALESCE_PER_EVENT per
+/// event between COALESCE_MIN and COALESCE_MAX: at 1,000 events/s rounds carry one or two events
+/// and the pause stays at half a millisecond; under a producer's ceiling they carry dozens and
+/// the relay runs a few hundred rounds a second instead of thousands (docs/performance.md). An
+/// idle relay is woken at once by the first commit; only the rounds that follow a busy one wait.
+const COALESCE_MIN: Duration = Duration::from_micros(500);
+const COALESCE_PER_EVENT: Duration = Duration::from_micros(250);
+const COALESCE_MAX: Duration = Duration::from_millis(3);
+
+/// The pause after a round that published `events` and drained its window.
+fn coalesce_window(events: usize) -> Duration {
+    COALESCE_PER_EVENT.saturating_mul(events.min(u32::MAX as usize) as u32).clamp(COALESCE_MIN, COALESCE_MAX)
+}
 
 /// What the relay last reported, so that it logs changes of state rather than every retry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -323,7 +334,7 @@ impl Relay {
                     // off on their own). Commits made during this round have set the latch, so
                     // the wait returns at once if there is new work.
                     if claimed > 0 {
-                        std::thread::sleep(COALESCE_WINDOW);
+                        std::thread::sleep(coalesce_window(claimed));
                     }
                     Some(poll.min(until_housekeeping))
                 }
@@ -697,7 +708,7 @@ unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
 
 #[cfg(test)]
 mod tests {
-    use super::human;
+    use super::{coalesce_window, human, COALESCE_MAX, COALESCE_MIN};
     use std::time::Duration;
 
     #[test]
@@ -707,6 +718,15 @@ mod tests {
         assert!(super::lease_problem(second * 10, second * 5).is_none());
         let problem = super::lease_problem(second * 9, second * 5).unwrap();
         assert!(problem.contains("outbox.lease (9.0s)") && problem.contains("at least 10.0s"), "{problem}");
+    }
+
+    #[test]
+    fn the_pause_between_rounds_grows_with_their_size_within_bounds() {
+        assert_eq!(coalesce_window(1), COALESCE_MIN);
+        assert_eq!(coalesce_window(2), COALESCE_MIN);
+        assert_eq!(coalesce_window(6), Duration::from_micros(1500));
+        assert_eq!(coalesce_window(1000), COALESCE_MAX);
+        assert_eq!(coalesce_window(usize::MAX), COALESCE_MAX);
     }
 
     #[test]
