@@ -242,3 +242,64 @@ CREATE OR REPLACE FUNCTION outbox._counters(aggregate_types text[], aggregate_id
 RETURNS TABLE (ordinal bigint, last_seq bigint)
 LANGUAGE c STRICT STABLE
 AS 'MODULE_PATHNAME', 'counters_wrapper';
+
+-- The failure path's probes no longer depend on the statistics either: one index probe per
+-- aggregate (_held_aggregates), the rejected rows found through the primary key (_settle_held).
+CREATE OR REPLACE FUNCTION outbox._held_aggregates(aggregate_types text[], aggregate_ids text[], shards smallint[])
+RETURNS SETOF bigint
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM outbox.held h WHERE h.shard = ANY (shards) AND h.status IN ('waiting', 'failed')) THEN
+        RETURN;
+    END IF;
+    -- One index probe per aggregate, whatever the statistics: the LIMIT keeps the subquery from
+    -- being flattened into a join whose order the planner would choose (a generic plan made while
+    -- the failure path was empty could scan it once per aggregate).
+    RETURN QUERY
+        SELECT a.position
+          FROM unnest(aggregate_types, aggregate_ids) WITH ORDINALITY AS a(aggregate_type, aggregate_id, position)
+         CROSS JOIN LATERAL (SELECT 1 FROM outbox.held h
+                              WHERE h.shard = ANY (shards)
+                                AND h.aggregate_type = a.aggregate_type COLLATE "C" AND h.aggregate_id = a.aggregate_id COLLATE "C"
+                                AND h.status IN ('waiting', 'failed')
+                              LIMIT 1) w;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION outbox._settle_held(published_ids bigint[], rejected_ids bigint[], errors text[],
+                                    max_attempts integer, retry_delay_ms integer)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+DECLARE
+    failed bigint;
+BEGIN
+    UPDATE outbox.held h
+       SET status = 'published', published_at = clock_timestamp(), last_error = NULL, available_at = NULL,
+           attempts = h.attempts + (h.attempts < 2147483647)::integer
+     WHERE h.id = ANY (published_ids) AND h.status = 'waiting';
+    WITH rejected AS (
+        UPDATE outbox.held h
+           SET rejections = h.rejections + (h.rejections < 2147483647)::integer,
+               attempts = h.attempts + (h.attempts < 2147483647)::integer,
+               -- Looked up per row (at most outbox.batch_size of them) rather than joined: the
+               -- rows are found through the primary key whatever the statistics say.
+               last_error = (SELECT x.error FROM unnest(rejected_ids, errors) AS x(id, error) WHERE x.id = h.id LIMIT 1),
+               status = CASE WHEN h.rejections::bigint + 1 >= max_attempts THEN 'failed' ELSE 'waiting' END,
+               failed_at = CASE WHEN h.rejections::bigint + 1 >= max_attempts THEN clock_timestamp() END,
+               available_at = clock_timestamp()
+                              + least(retry_delay_ms * power(2, least(h.rejections, 20)), 300000) * interval '1 millisecond'
+         WHERE h.id = ANY (rejected_ids) AND h.status = 'waiting'
+        RETURNING h.status
+    )
+    SELECT count(*) FILTER (WHERE status = 'failed') INTO failed FROM rejected;
+    RETURN failed;
+END
+$fn$;

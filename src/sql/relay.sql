@@ -150,13 +150,17 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM outbox.held h WHERE h.shard = ANY (shards) AND h.status IN ('waiting', 'failed')) THEN
         RETURN;
     END IF;
+    -- One index probe per aggregate, whatever the statistics: the LIMIT keeps the subquery from
+    -- being flattened into a join whose order the planner would choose (a generic plan made while
+    -- the failure path was empty could scan it once per aggregate).
     RETURN QUERY
         SELECT a.position
           FROM unnest(aggregate_types, aggregate_ids) WITH ORDINALITY AS a(aggregate_type, aggregate_id, position)
-         WHERE EXISTS (SELECT 1 FROM outbox.held h
-                        WHERE h.shard = ANY (shards)
-                          AND h.aggregate_type = a.aggregate_type COLLATE "C" AND h.aggregate_id = a.aggregate_id COLLATE "C"
-                          AND h.status IN ('waiting', 'failed'));
+         CROSS JOIN LATERAL (SELECT 1 FROM outbox.held h
+                              WHERE h.shard = ANY (shards)
+                                AND h.aggregate_type = a.aggregate_type COLLATE "C" AND h.aggregate_id = a.aggregate_id COLLATE "C"
+                                AND h.status IN ('waiting', 'failed')
+                              LIMIT 1) w;
 END
 $fn$;
 
@@ -260,13 +264,14 @@ BEGIN
         UPDATE outbox.held h
            SET rejections = h.rejections + (h.rejections < 2147483647)::integer,
                attempts = h.attempts + (h.attempts < 2147483647)::integer,
-               last_error = x.error,
+               -- Looked up per row (at most outbox.batch_size of them) rather than joined: the
+               -- rows are found through the primary key whatever the statistics say.
+               last_error = (SELECT x.error FROM unnest(rejected_ids, errors) AS x(id, error) WHERE x.id = h.id LIMIT 1),
                status = CASE WHEN h.rejections::bigint + 1 >= max_attempts THEN 'failed' ELSE 'waiting' END,
                failed_at = CASE WHEN h.rejections::bigint + 1 >= max_attempts THEN clock_timestamp() END,
                available_at = clock_timestamp()
                               + least(retry_delay_ms * power(2, least(h.rejections, 20)), 300000) * interval '1 millisecond'
-          FROM unnest(rejected_ids, errors) AS x(id, error)
-         WHERE h.id = x.id AND h.status = 'waiting'
+         WHERE h.id = ANY (rejected_ids) AND h.status = 'waiting'
         RETURNING h.status
     )
     SELECT count(*) FILTER (WHERE status = 'failed') INTO failed FROM rejected;

@@ -377,11 +377,11 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             log.sort_unstable_by_key(|event| event.id);
             let aggregates = distinct_aggregates(&log);
             if !aggregates.is_empty() {
-                let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
-                let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
                 let mut last_seq = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
                 let mut waiting = Set::default();
                 if settings.in_order && held_any {
+                    let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
+                    let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
                     for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
                         waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
                     }
