@@ -97,9 +97,10 @@ pub fn read_window(shard: i16, cursor: &Snapshot, upto: &Snapshot, max_events: u
             pg_sys::table_close(heap, pg_sys::NoLock as pg_sys::LOCKMODE);
         }
         pg_sys::UnregisterSnapshot(snapshot);
-        // Each table's rows came in txid order; the three tables' are merged (stable: within a
-        // transaction, index order, which is insertion order).
-        range.sort_by_key(|event: &LogEvent| event.txid);
+        // Each table's rows came in txid order; the three tables' are merged, and within a
+        // transaction its events are in id order (a transaction may span two tables when a
+        // generation switched while it ran).
+        range.sort_by_key(|event: &LogEvent| (event.txid, event.event.id));
         range.truncate(max_events);
         in_progress.extend(range);
         in_progress
