@@ -12,19 +12,28 @@ use pgrx::prelude::*;
 /// # Safety
 /// Inside a transaction.
 pub unsafe fn outbox_relation(name: &CStr, reader: &str) -> pg_sys::Oid {
-    // SAFETY: syscache lookups; missing_ok, so they return InvalidOid rather than raising.
-    unsafe {
-        let schema = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        let oid = if schema == pg_sys::InvalidOid {
-            pg_sys::InvalidOid
-        } else {
-            pg_sys::get_relname_relid(name.as_ptr(), schema)
-        };
-        if oid == pg_sys::InvalidOid {
-            error!("{reader}: relation outbox.{} does not exist; is outbox_pg installed?", name.to_string_lossy());
-        }
-        oid
+    // SAFETY: a syscache lookup; missing_ok, so it returns InvalidOid rather than raising.
+    let schema = unsafe { pg_sys::get_namespace_oid(c"outbox".as_ptr(), true) };
+    // SAFETY: inside a transaction, as the caller guarantees.
+    unsafe { relation_in(schema, name, reader) }
+}
+
+/// A relation of `schema` (the `outbox` schema's OID, or InvalidOid when it is missing) by name,
+/// for `reader` (named in the error when it is missing).
+///
+/// # Safety
+/// Inside a transaction.
+pub unsafe fn relation_in(schema: pg_sys::Oid, name: &CStr, reader: &str) -> pg_sys::Oid {
+    let oid = if schema == pg_sys::InvalidOid {
+        pg_sys::InvalidOid
+    } else {
+        // SAFETY: a syscache lookup.
+        unsafe { pg_sys::get_relname_relid(name.as_ptr(), schema) }
+    };
+    if oid == pg_sys::InvalidOid {
+        error!("{reader}: relation outbox.{} does not exist; is outbox_pg installed?", name.to_string_lossy());
     }
+    oid
 }
 
 /// The attribute number (1-based) of an open relation's column, found by name: a column a DBA

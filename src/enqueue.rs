@@ -92,16 +92,6 @@ unsafe fn outbox_schema() -> pg_sys::Oid {
     schema
 }
 
-/// A table of schema `outbox` by name.
-unsafe fn outbox_table(schema: pg_sys::Oid, name: &CStr) -> pg_sys::Oid {
-    // SAFETY: a syscache lookup.
-    let table = unsafe { pg_sys::get_relname_relid(name.as_ptr(), schema) };
-    if table == pg_sys::InvalidOid {
-        error!("outbox_enqueue: table outbox.{} does not exist", name.to_string_lossy());
-    }
-    table
-}
-
 /// Which log table is current, read from `outbox.generations` with a snapshot taken now, after
 /// the transaction id was assigned (whatever the caller's isolation level): a writer that read a
 /// generation just before it was switched already had its transaction id then, which is how
@@ -113,8 +103,8 @@ unsafe fn current_generation(schema: pg_sys::Oid) -> i16 {
     // snapshot outlives the scan, and each tuple is read only while the scan is on it.
     unsafe {
         let lock = pg_sys::AccessShareLock as pg_sys::LOCKMODE;
-        let relation = pg_sys::table_open(outbox_table(schema, c"generations"), lock);
-        let current_index = outbox_table(schema, c"generations_one_current");
+        let relation = pg_sys::table_open(crate::datums::relation_in(schema, c"generations", "outbox_enqueue"), lock);
+        let current_index = crate::datums::relation_in(schema, c"generations_one_current", "outbox_enqueue");
         let descriptor = (*relation).rd_att;
         let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
         let scan = pg_sys::systable_beginscan(relation, current_index, true, snapshot, 0, std::ptr::null_mut());
@@ -196,7 +186,7 @@ unsafe fn insert(schema: pg_sys::Oid, generation: i16, values: &mut [pg_sys::Dat
     // its indexes are opened and closed here; the lock is kept to the end of the transaction, as
     // an INSERT keeps it.
     unsafe {
-        let table = outbox_table(schema, TABLES[generation as usize]);
+        let table = crate::datums::relation_in(schema, TABLES[generation as usize], "outbox_enqueue");
         if pg_sys::pg_class_aclcheck(table, pg_sys::GetUserId(), pg_sys::ACL_INSERT as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK
         {
@@ -473,7 +463,7 @@ fn outbox_enqueue(
     unsafe {
         let schema = outbox_schema();
         let generation = current_generation(schema);
-        let sequence = outbox_table(schema, c"events_id_seq");
+        let sequence = crate::datums::relation_in(schema, c"events_id_seq", "outbox_enqueue");
         let id =
             pg_sys::OidFunctionCall1Coll(pg_sys::Oid::from(pg_sys::F_NEXTVAL), pg_sys::InvalidOid, sequence.into());
         let text = |value: &str| value.into_datum().unwrap_or(pg_sys::Datum::from(0));
