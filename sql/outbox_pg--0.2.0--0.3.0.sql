@@ -303,3 +303,74 @@ BEGIN
     RETURN failed;
 END
 $fn$;
+
+-- The finish updates the counters the batch's read found and inserts the others (no INSERT ... ON
+-- CONFLICT per new aggregate), and moves the shards first: one argument more.
+DROP FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigint[]);
+-- Finishes a batch: advances each shard's cursor, for shards this relay still holds (a shard taken
+-- over after this relay's lease expired raises, so the whole finish rolls back and the new holder
+-- publishes the batch again: a duplicate, never a gap), and the counters of the aggregates it
+-- consumed. Records a tick (for published_at) per shard at most about once a second.
+--
+-- The shards go first: their row locks keep any other relay from taking them over until this
+-- commits, so nobody else writes the counters of their aggregates meanwhile. counted[n] says
+-- whether the batch's read found aggregate n's counter. Those are updated in place; the others
+-- are plain INSERTs. That costs half of what INSERT ... ON CONFLICT does per row (no speculative
+-- insertion), and a workload where every event is its own aggregate (a payment, an order) makes
+-- a new counter for every event (docs/performance.md). A counter found by the read cannot be
+-- deleted meanwhile (forget_aggregates keeps those with events in the log); if one was all the
+-- same, every counter is upserted.
+CREATE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
+                                aggregate_types text[], aggregate_ids text[], last_seqs bigint[],
+                                counted boolean[])
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+DECLARE
+    advanced integer;
+    updated integer;
+    -- A value, not clock_timestamp() in the statement: a volatile bound cannot be an index
+    -- condition, and every round would then read every tick of each of its shards.
+    recent timestamptz := clock_timestamp() - interval '1 second';
+BEGIN
+    WITH moved AS (
+        UPDATE outbox.shards s
+           SET cursor = x.cursor::pg_snapshot, cursor_at = clock_timestamp()
+          FROM unnest(shards, cursors) AS x(shard, cursor)
+         WHERE s.shard = x.shard AND s.claimed_by = relay_pid
+        RETURNING s.shard, s.cursor
+    ), ticked AS (
+        INSERT INTO outbox.ticks (shard, cursor, at)
+        SELECT m.shard, m.cursor, clock_timestamp()
+          FROM moved m
+         WHERE NOT EXISTS (SELECT 1 FROM outbox.ticks t
+                            WHERE t.shard = m.shard AND t.at > recent)
+        RETURNING 1
+    )
+    SELECT count(*) INTO advanced FROM moved;
+    IF advanced < cardinality(shards) THEN
+        RAISE EXCEPTION 'outbox_pg: relay % no longer holds all of shards %; another relay took them over', relay_pid, shards
+            USING ERRCODE = 'lock_not_available',
+                  HINT = 'The relay''s lease expired (outbox.lease) while it was publishing; the new holder publishes the batch again.';
+    END IF;
+    IF cardinality(aggregate_types) > 0 THEN
+        UPDATE outbox.aggregates a SET last_seq = greatest(a.last_seq, x.s)
+          FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
+         WHERE x.c AND a.aggregate_type = x.t AND a.aggregate_id = x.i;
+        GET DIAGNOSTICS updated = ROW_COUNT;
+        IF updated = (SELECT count(*) FROM unnest(counted) AS c WHERE c) THEN
+            INSERT INTO outbox.aggregates (aggregate_type, aggregate_id, last_seq)
+            SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
+             WHERE NOT x.c;
+        ELSE
+            INSERT INTO outbox.aggregates AS a (aggregate_type, aggregate_id, last_seq)
+            SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs) AS x(t, i, s)
+            ON CONFLICT ON CONSTRAINT aggregates_pkey DO UPDATE SET last_seq = greatest(a.last_seq, excluded.last_seq);
+        END IF;
+    END IF;
+END
+$fn$;
+REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigint[], boolean[]) FROM PUBLIC;

@@ -13,9 +13,10 @@ use crate::datums;
 /// Who reads, for the errors.
 const READER: &str = "outbox_pg (reading the counters)";
 
-/// The last `aggregate_seq` of each of these (aggregate_type, aggregate_id), 0 for an aggregate
-/// that has none yet. Inside a transaction, under a snapshot taken now.
-pub fn last_seqs<'a>(aggregates: impl ExactSizeIterator<Item = (&'a str, &'a str)>) -> Vec<i64> {
+/// The last `aggregate_seq` of each of these (aggregate_type, aggregate_id), None for an aggregate
+/// that has no counter yet (the finish then inserts one rather than updating it). Inside a
+/// transaction, under a snapshot taken now.
+pub fn last_seqs<'a>(aggregates: impl ExactSizeIterator<Item = (&'a str, &'a str)>) -> Vec<Option<i64>> {
     let mut found = Vec::with_capacity(aggregates.len());
     // SAFETY: inside a transaction; the relation is opened and closed here, the registered
     // snapshot outlives the probes, the key datums outlive each probe (a per-probe memory context
@@ -57,13 +58,12 @@ pub fn last_seqs<'a>(aggregates: impl ExactSizeIterator<Item = (&'a str, &'a str
             }
             let scan = pg_sys::systable_beginscan(heap, index, true, snapshot, 2, keys.as_mut_ptr());
             let tuple = pg_sys::systable_getnext(scan);
-            let mut last_seq = 0;
+            let mut last_seq = None;
             if !tuple.is_null() {
                 let mut null = false;
                 let value = pg_sys::fastgetattr(tuple, seq_column as i32, descriptor, &mut null);
-                if !null {
-                    last_seq = value.value() as i64;
-                }
+                // last_seq is NOT NULL; a row is a counter whatever it holds.
+                last_seq = Some(if null { 0 } else { value.value() as i64 });
             }
             pg_sys::systable_endscan(scan);
             pg_sys::MemoryContextSwitchTo(outer);
@@ -103,10 +103,6 @@ fn counters(
     let pairs: Vec<(&str, &str)> = aggregate_types.iter().flatten().zip(aggregate_ids.iter().flatten()).collect();
     let seqs = last_seqs(pairs.into_iter());
     TableIterator::new(
-        seqs.into_iter()
-            .enumerate()
-            .filter(|(_, seq)| *seq > 0)
-            .map(|(n, seq)| (n as i64 + 1, seq))
-            .collect::<Vec<_>>(),
+        seqs.into_iter().enumerate().filter_map(|(n, seq)| Some((n as i64 + 1, seq?))).collect::<Vec<_>>(),
     )
 }

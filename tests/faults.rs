@@ -819,7 +819,7 @@ fn bad_input_is_refused_and_leaves_the_relay_working() {
         "SELECT outbox_enqueue('bad', gen_random_uuid(), 'e', '{}')",
         "SELECT * FROM outbox.messages",
         "SELECT * FROM outbox._claim_shards(1, 16, 1000)",
-        "SELECT outbox._advance(1, '{}', '{}', '{}', '{}', '{}')",
+        "SELECT outbox._advance(1, '{}', '{}', '{}', '{}', '{}', '{}')",
         "SELECT outbox.retry_failed()",
         "SELECT outbox.purge('0')",
         "INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at)

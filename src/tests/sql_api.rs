@@ -593,7 +593,7 @@ fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog(
     };
     let advance = |cursor: &str| {
         Spi::run_with_args(
-            "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[$1], '{}', '{}', '{}')",
+            "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[$1], '{}', '{}', '{}', '{}')",
             &[cursor.into()],
         )
         .unwrap()
@@ -623,11 +623,19 @@ fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() 
     Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 1, 30000)").unwrap();
     Spi::run(
         "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[pg_current_snapshot()::text],
-                                ARRAY['t', 't'], ARRAY['a', 'b'], ARRAY[3, 1]::bigint[])",
+                                ARRAY['t', 't'], ARRAY['a', 'b'], ARRAY[3, 1]::bigint[], ARRAY[false, false])",
     )
     .unwrap();
     Spi::run(
-        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], ARRAY['t'], ARRAY['a'], ARRAY[2]::bigint[])",
+        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], ARRAY['t'], ARRAY['a'], ARRAY[2]::bigint[],
+                                ARRAY[true])",
+    )
+    .unwrap();
+    // A counter the read found but that is gone by the finish is written again, with the others.
+    Spi::run("DELETE FROM outbox.aggregates WHERE aggregate_id = 'b'").unwrap();
+    Spi::run(
+        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], ARRAY['t', 't'], ARRAY['a', 'b'],
+                                ARRAY[3, 1]::bigint[], ARRAY[true, true])",
     )
     .unwrap();
     let counters = Spi::get_one::<String>(
@@ -643,7 +651,7 @@ fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() 
     .unwrap();
     assert_eq!(positions, "2:1,3:3");
     let (code, message) = error_of(
-        "SELECT outbox._advance(pg_backend_pid(), ARRAY[1]::smallint[], ARRAY[pg_current_snapshot()::text], '{}', '{}', '{}')",
+        "SELECT outbox._advance(pg_backend_pid(), ARRAY[1]::smallint[], ARRAY[pg_current_snapshot()::text], '{}', '{}', '{}', '{}')",
     );
     assert_eq!(code, "ERRCODE_LOCK_NOT_AVAILABLE", "a shard this relay does not hold: {message}");
 }

@@ -29,16 +29,21 @@ const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
 const ALERT_REPEAT: Duration = Duration::from_secs(60);
 /// After a round that published a partial batch, events are arriving one commit at a time: the
 /// relay pauses before the next claim so that a round carries several of them. Each round costs
-/// two short transactions and a Redis round trip whatever its size (about 0.1 to 0.3 ms of CPU),
-/// so under a steady stream of small commits one round per commit would take a good part of a
-/// core from the application. The pause grows with the last round's size, COALESCE_PER_EVENT per
-/// event between COALESCE_MIN and COALESCE_MAX: at 1,000 events/s rounds carry one or two events
-/// and the pause stays at half a millisecond; under a producer's ceiling they carry dozens and
-/// the relay runs a few hundred rounds a second instead of thousands (docs/performance.md). An
-/// idle relay is woken at once by the first commit; only the rounds that follow a busy one wait.
+/// two short transactions and a Redis round trip whatever its size (about 0.3 to 1 ms of CPU when
+/// it carries a few dozen events of new aggregates), so under a steady stream of small commits
+/// one round per commit would take a good part of a core from the application. The pause grows
+/// with the last round's size, COALESCE_PER_EVENT per event between COALESCE_MIN and
+/// COALESCE_MAX: at 1,000 events/s rounds carry one or two events and the pause stays at half a
+/// millisecond; up to about 3,000 events/s it stays within a few milliseconds; at a producer's
+/// ceiling it reaches COALESCE_MAX and the relay runs under a hundred rounds a second instead of
+/// thousands. 10 ms there rather than 3 halved the relay's CPU at pgbench's ceiling and raised
+/// the producers' throughput with the relay running from about 0.75 to about 0.9 of that with it
+/// paused (docs/performance.md): under saturation the application's throughput is worth more
+/// than a few milliseconds of latency. An idle relay is woken at once by the first commit; only
+/// the rounds that follow a busy one wait.
 const COALESCE_MIN: Duration = Duration::from_micros(500);
 const COALESCE_PER_EVENT: Duration = Duration::from_micros(250);
-const COALESCE_MAX: Duration = Duration::from_millis(3);
+const COALESCE_MAX: Duration = Duration::from_millis(10);
 
 /// The pause after a round that published `events` and drained its window.
 fn coalesce_window(events: usize) -> Duration {

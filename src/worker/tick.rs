@@ -94,7 +94,7 @@ const HELD_DUE: &str =
 const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
-const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6)";
+const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6, $7)";
 const REAP: &str = "SELECT outbox._reap_shards($1)";
 const RECORD_SNAPSHOT: &str = "SELECT outbox._record_snapshot($1)";
 const RETENTION: &str = "SELECT outbox._retention($1 * interval '1 second')";
@@ -102,13 +102,14 @@ const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pe
 
 /// The argument types of CLAIM and ADVANCE, which every round runs.
 const CLAIM_TYPES: [PgOid; 3] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID); 3];
-const ADVANCE_TYPES: [PgOid; 6] = [
+const ADVANCE_TYPES: [PgOid; 7] = [
     PgOid::BuiltIn(PgBuiltInOids::INT4OID),
     PgOid::BuiltIn(PgBuiltInOids::INT2ARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::BOOLARRAYOID),
 ];
 
 type KeptPlan = RefCell<Option<Rc<OwnedPreparedStatement>>>;
@@ -120,10 +121,90 @@ thread_local! {
     /// EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes stale.
     static CLAIM_PLAN: KeptPlan = const { RefCell::new(None) };
     static ADVANCE_PLAN: KeptPlan = const { RefCell::new(None) };
+    static NOW_PLAN: KeptPlan = const { RefCell::new(None) };
+    /// The last full claim's outcome, while a round may go without one (`kept_claim`).
+    static KEPT_CLAIM: RefCell<Option<KeptClaim>> = const { RefCell::new(None) };
+}
+
+/// What a round reads up to when it keeps its claim: the snapshot of now, taken after the commit
+/// flags (the statement's own snapshot), like the claim's.
+const NOW: &str = "SELECT pg_catalog.pg_current_snapshot()::text";
+
+/// The shards a full claim gave this relay, with their cursors as this relay last stored them.
+struct KeptClaim {
+    taken: Instant,
+    installation: pg_sys::Oid,
+    share: usize,
+    shards: Vec<(i16, String)>,
+}
+
+/// How long a round may go on a kept claim: the claim statement (its count, its lease renewal, its
+/// recorded-snapshot and failure-path probes) was most of a small round's CPU, and under a steady
+/// stream of commits most rounds change nothing. At most a tenth of the lease, so that the lease,
+/// renewed by the claim after a third of it, never comes near expiring.
+fn claim_kept_for(lease: Duration) -> Duration {
+    (lease / 10).min(Duration::from_millis(100))
+}
+
+/// The shards and cursors of the last full claim, if this round may use them instead of claiming:
+/// not on a full read (which also moves idle cursors and probes everything), with the same
+/// installation and share, and within `claim_kept_for`. Only a claim that found nothing on the
+/// failure path and no lagging shard is kept (`keep_claim`), and a finish that holds events or
+/// fails forgets it: everything else that could change what the claim returns happens through
+/// this relay's own statements (its cursors) or is caught by the finish (a shard taken over).
+fn kept_claim(installation: pg_sys::Oid, settings: &TickSettings) -> Option<Vec<(i16, String)>> {
+    if settings.full_read {
+        return None;
+    }
+    KEPT_CLAIM.with(|kept| {
+        kept.borrow()
+            .as_ref()
+            .filter(|k| {
+                k.installation == installation
+                    && k.share == settings.share
+                    && k.taken.elapsed() < claim_kept_for(settings.lease)
+            })
+            .map(|k| k.shards.clone())
+    })
+}
+
+/// Keeps a full claim's outcome for the rounds that follow, when they may use it.
+fn keep_claim(
+    installation: pg_sys::Oid,
+    settings: &TickSettings,
+    claimed: &[(i16, String, i64, String, bool)],
+    held_any: bool,
+) {
+    let keepable = !held_any && !claimed.is_empty() && claimed.iter().all(|(.., bounded)| !bounded);
+    let kept = keepable.then(|| KeptClaim {
+        taken: Instant::now(),
+        installation,
+        share: settings.share,
+        shards: claimed.iter().map(|(shard, cursor, ..)| (*shard, cursor.clone())).collect(),
+    });
+    KEPT_CLAIM.with(|slot| *slot.borrow_mut() = kept);
+}
+
+/// After a finish: the kept claim's cursors move with the shards', or, when the finish failed or
+/// put events on the failure path, the next round claims again.
+fn finished_kept_claim(advanced: Option<&[ShardBatch]>) {
+    KEPT_CLAIM.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        match (advanced, slot.as_mut()) {
+            (Some(shards), Some(kept)) => {
+                for moved in shards.iter().filter(|s| s.advance) {
+                    if let Some(entry) = kept.shards.iter_mut().find(|(shard, _)| *shard == moved.shard) {
+                        entry.1 = moved.next_cursor.clone();
+                    }
+                }
+            }
+            _ => *slot = None,
+        }
+    });
 }
 
 /// The kept plan in `slot`, prepared from `query` the first time.
-fn kept(
+fn kept_plan(
     client: &pgrx::spi::SpiClient<'_>,
     slot: &'static std::thread::LocalKey<KeptPlan>,
     query: &str,
@@ -243,8 +324,9 @@ struct Batch {
     shards: Vec<ShardBatch>,
     /// From the log, oldest first (id order), each with its `aggregate_seq` assigned.
     events: Vec<OutboxEvent>,
-    /// Their aggregates' counters after the batch: (type, id, last_seq).
-    counters: Vec<(String, String, i64)>,
+    /// Their aggregates' counters after the batch: (type, id, last_seq, whether the read found
+    /// the counter: the finish updates those and inserts the others).
+    counters: Vec<(String, String, i64, bool)>,
     /// Of `events`, the ids of those whose aggregate has events on the failure path: they go there
     /// too, behind them, without being sent.
     diverted: Set<i64>,
@@ -313,22 +395,34 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             let flagged_before = shmem::take_committed_shards(held_before);
             // (shard, cursor, cursor age, what it reads up to, whether that is a recorded snapshot)
             let mut claimed: Vec<(i16, String, i64, String, bool)> = Vec::new();
-            for row in client.update(
-                &*kept(client, &CLAIM_PLAN, CLAIM, &CLAIM_TYPES)?,
-                None,
-                &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()],
-            )? {
-                claimed.push((
-                    row.get::<i16>(1)?.unwrap_or_default(),
-                    row.get::<String>(2)?.unwrap_or_default(),
-                    row.get::<i64>(3)?.unwrap_or_default(),
-                    // Now (taken after the claim: the reads below see every transaction it shows
-                    // as committed), or a recorded snapshot for a lagging shard: then more
-                    // follows at once.
-                    row.get::<String>(4)?.unwrap_or_default(),
-                    row.get::<bool>(6)?.unwrap_or(false),
-                ));
-                held_any = row.get::<bool>(5)?.unwrap_or(true);
+            if let Some(kept) = kept_claim(installation, &settings) {
+                // Nothing changes hands and the lease is fresh: the shards and cursors are the
+                // ones this relay claimed or stored itself; only "now" is new.
+                let upto = client
+                    .select(&*kept_plan(client, &NOW_PLAN, NOW, &[])?, None, &[])?
+                    .first()
+                    .get::<String>(1)?
+                    .unwrap_or_default();
+                claimed = kept.into_iter().map(|(shard, cursor)| (shard, cursor, 0, upto.clone(), false)).collect();
+            } else {
+                for row in client.update(
+                    &*kept_plan(client, &CLAIM_PLAN, CLAIM, &CLAIM_TYPES)?,
+                    None,
+                    &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()],
+                )? {
+                    claimed.push((
+                        row.get::<i16>(1)?.unwrap_or_default(),
+                        row.get::<String>(2)?.unwrap_or_default(),
+                        row.get::<i64>(3)?.unwrap_or_default(),
+                        // Now (taken after the claim: the reads below see every transaction it
+                        // shows as committed), or a recorded snapshot for a lagging shard: then
+                        // more follows at once.
+                        row.get::<String>(4)?.unwrap_or_default(),
+                        row.get::<bool>(6)?.unwrap_or(false),
+                    ));
+                    held_any = row.get::<bool>(5)?.unwrap_or(true);
+                }
+                keep_claim(installation, &settings, &claimed, held_any);
             }
             // Outside a full read, only the shards that commits flagged since the last round, and
             // those this relay did not hold then.
@@ -377,7 +471,9 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             log.sort_unstable_by_key(|event| event.id);
             let aggregates = distinct_aggregates(&log);
             if !aggregates.is_empty() {
-                let mut last_seq = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
+                let found = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
+                let counted: Vec<bool> = found.iter().map(Option::is_some).collect();
+                let mut last_seq: Vec<i64> = found.into_iter().map(|seq| seq.unwrap_or(0)).collect();
                 let mut waiting = Set::default();
                 if settings.in_order && held_any {
                     let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
@@ -396,7 +492,12 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
                         batch.diverted.insert(event.id);
                     }
                 }
-                batch.counters = aggregates.into_iter().zip(last_seq).map(|((t, i), seq)| (t, i, seq)).collect();
+                batch.counters = aggregates
+                    .into_iter()
+                    .zip(last_seq)
+                    .zip(counted)
+                    .map(|(((t, i), seq), counted)| (t, i, seq, counted))
+                    .collect();
             }
             batch.events = log;
             Ok(Ok(batch))
@@ -440,10 +541,12 @@ fn finish(settlement: Settlement, batch: &Batch, settings: &TickSettings) -> Res
     let shards: Vec<i16> = advancing.iter().map(|s| s.shard).collect();
     let cursors: Vec<String> = advancing.iter().map(|s| s.next_cursor.clone()).collect();
     let counter_types: Vec<String> = batch.counters.iter().map(|(t, ..)| t.clone()).collect();
-    let counter_ids: Vec<String> = batch.counters.iter().map(|(_, i, _)| i.clone()).collect();
-    let counter_seqs: Vec<i64> = batch.counters.iter().map(|(.., s)| *s).collect();
+    let counter_ids: Vec<String> = batch.counters.iter().map(|(_, i, ..)| i.clone()).collect();
+    let counter_seqs: Vec<i64> = batch.counters.iter().map(|(_, _, s, _)| *s).collect();
+    let counted: Vec<bool> = batch.counters.iter().map(|(.., c)| *c).collect();
     let read_from = batch.installation;
-    txn::run(move || -> Result<Finished, String> {
+    let holds = !settlement.hold.is_empty() || !settlement.held_rejected.is_empty();
+    let finished = txn::run(move || -> Result<Finished, String> {
         let mut finished = Finished::default();
         let spi = |e: pgrx::spi::Error| e.to_string();
         if !settlement.hold.is_empty() {
@@ -475,7 +578,7 @@ fn finish(settlement: Settlement, batch: &Batch, settings: &TickSettings) -> Res
         }
         if !shards.is_empty() || !counter_types.is_empty() {
             Spi::connect_mut(|client| {
-                let advance = kept(client, &ADVANCE_PLAN, ADVANCE, &ADVANCE_TYPES)?;
+                let advance = kept_plan(client, &ADVANCE_PLAN, ADVANCE, &ADVANCE_TYPES)?;
                 client.update(
                     &*advance,
                     None,
@@ -486,6 +589,7 @@ fn finish(settlement: Settlement, batch: &Batch, settings: &TickSettings) -> Res
                         counter_types.into(),
                         counter_ids.into(),
                         counter_seqs.into(),
+                        counted.into(),
                     ],
                 )?;
                 Ok::<_, pgrx::spi::Error>(())
@@ -500,7 +604,9 @@ fn finish(settlement: Settlement, batch: &Batch, settings: &TickSettings) -> Res
                 .to_string());
         }
         Ok(finished)
-    })
+    });
+    finished_kept_claim(if finished.is_ok() && !holds { Some(&batch.shards) } else { None });
+    finished
 }
 
 /// How long each phase of a round took, for `outbox.log_min_duration`.
@@ -784,9 +890,11 @@ fn crash_after_publish(published: usize) {
 #[cfg(test)]
 mod tests {
     use super::{
-        deferred_by_stream_change, distinct_aggregates, next_pipeline, shards_to_read, PipelineLimits, Source,
+        claim_kept_for, deferred_by_stream_change, distinct_aggregates, next_pipeline, shards_to_read, PipelineLimits,
+        Source,
     };
     use crate::entry::OutboxEvent;
+    use std::time::Duration;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
         OutboxEvent {
@@ -833,6 +941,14 @@ mod tests {
         assert_eq!(given_back, 0b0000_0011);
         // Kept and flagged: read; kept and not flagged: not read.
         assert_eq!(shards_to_read(0b0110, 0b0100, 0b0110), (0b0100, 0));
+    }
+
+    #[test]
+    fn a_claim_is_kept_for_a_tenth_of_the_lease_and_at_most_100_ms() {
+        assert_eq!(claim_kept_for(Duration::from_secs(30)), Duration::from_millis(100));
+        // A short lease (the tests' 300 ms): its renewal after a third of it is never skipped.
+        assert_eq!(claim_kept_for(Duration::from_millis(300)), Duration::from_millis(30));
+        assert_eq!(claim_kept_for(Duration::ZERO), Duration::ZERO);
     }
 
     #[test]
