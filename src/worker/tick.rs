@@ -121,21 +121,24 @@ thread_local! {
     /// EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes stale.
     static CLAIM_PLAN: KeptPlan = const { RefCell::new(None) };
     static ADVANCE_PLAN: KeptPlan = const { RefCell::new(None) };
-    static NOW_PLAN: KeptPlan = const { RefCell::new(None) };
+    static HELD_PLAN: KeptPlan = const { RefCell::new(None) };
     /// The last full claim's outcome, while a round may go without one (`kept_claim`).
     static KEPT_CLAIM: RefCell<Option<KeptClaim>> = const { RefCell::new(None) };
 }
 
-/// What a round reads up to when it keeps its claim: the snapshot of now, taken after the commit
-/// flags (the statement's own snapshot), like the claim's.
-const NOW: &str = "SELECT pg_catalog.pg_current_snapshot()::text";
+/// What a round on a kept claim reads instead of claiming: the shards this relay holds, their
+/// cursors, and the snapshot of now, taken after the commit flags (the statement's own snapshot),
+/// like the claim's.
+const HELD: &str = "SELECT s.shard, s.cursor::text, pg_catalog.pg_current_snapshot()::text \
+                      FROM outbox.shards s WHERE s.claimed_by = $1 ORDER BY s.shard";
 
-/// The shards a full claim gave this relay, with their cursors as this relay last stored them.
+/// A full claim that the rounds after it may keep: when, for which installation and share, and
+/// the shards it gave this relay.
 struct KeptClaim {
     taken: Instant,
     installation: pg_sys::Oid,
     share: usize,
-    shards: Vec<(i16, String)>,
+    shards: Vec<i16>,
 }
 
 /// How long a round may go on a kept claim: the claim statement (its count, its lease renewal, its
@@ -146,13 +149,13 @@ fn claim_kept_for(lease: Duration) -> Duration {
     (lease / 10).min(Duration::from_millis(100))
 }
 
-/// The shards and cursors of the last full claim, if this round may use them instead of claiming:
-/// not on a full read (which also moves idle cursors and probes everything), with the same
-/// installation and share, and within `claim_kept_for`. Only a claim that found nothing on the
-/// failure path and no lagging shard is kept (`keep_claim`), and a finish that holds events or
-/// fails forgets it: everything else that could change what the claim returns happens through
-/// this relay's own statements (its cursors) or is caught by the finish (a shard taken over).
-fn kept_claim(installation: pg_sys::Oid, settings: &TickSettings) -> Option<Vec<(i16, String)>> {
+/// Whether this round may keep the last full claim instead of claiming: not on a full read (which
+/// also moves idle cursors and probes everything), with the same installation and share, and
+/// within `claim_kept_for`. Only a claim that found nothing on the failure path and no lagging
+/// shard is kept (`keep_claim`), and a finish that fails or holds events forgets it. The round
+/// still reads its shards' rows (`HELD`) and goes on only if they are exactly the kept ones: a
+/// shard taken over, freed by the reaper or rebased by a restore sends it back to the claim.
+fn kept_claim(installation: pg_sys::Oid, settings: &TickSettings) -> Option<Vec<i16>> {
     if settings.full_read {
         return None;
     }
@@ -180,27 +183,14 @@ fn keep_claim(
         taken: Instant::now(),
         installation,
         share: settings.share,
-        shards: claimed.iter().map(|(shard, cursor, ..)| (*shard, cursor.clone())).collect(),
+        shards: claimed.iter().map(|(shard, ..)| *shard).collect(),
     });
     KEPT_CLAIM.with(|slot| *slot.borrow_mut() = kept);
 }
 
-/// After a finish: the kept claim's cursors move with the shards', or, when the finish failed or
-/// put events on the failure path, the next round claims again.
-fn finished_kept_claim(advanced: Option<&[ShardBatch]>) {
-    KEPT_CLAIM.with(|slot| {
-        let mut slot = slot.borrow_mut();
-        match (advanced, slot.as_mut()) {
-            (Some(shards), Some(kept)) => {
-                for moved in shards.iter().filter(|s| s.advance) {
-                    if let Some(entry) = kept.shards.iter_mut().find(|(shard, _)| *shard == moved.shard) {
-                        entry.1 = moved.next_cursor.clone();
-                    }
-                }
-            }
-            _ => *slot = None,
-        }
-    });
+/// The next round claims again.
+fn forget_kept_claim() {
+    KEPT_CLAIM.with(|slot| *slot.borrow_mut() = None);
 }
 
 /// The kept plan in `slot`, prepared from `query` the first time.
@@ -396,15 +386,27 @@ fn read_round(settings: &TickSettings) -> Result<Result<Batch, Readiness>, Strin
             // (shard, cursor, cursor age, what it reads up to, whether that is a recorded snapshot)
             let mut claimed: Vec<(i16, String, i64, String, bool)> = Vec::new();
             if let Some(kept) = kept_claim(installation, &settings) {
-                // Nothing changes hands and the lease is fresh: the shards and cursors are the
-                // ones this relay claimed or stored itself; only "now" is new.
-                let upto = client
-                    .select(&*kept_plan(client, &NOW_PLAN, NOW, &[])?, None, &[])?
-                    .first()
-                    .get::<String>(1)?
-                    .unwrap_or_default();
-                claimed = kept.into_iter().map(|(shard, cursor)| (shard, cursor, 0, upto.clone(), false)).collect();
-            } else {
+                // Nothing changes hands and the lease is fresh: only the cursors and "now" are
+                // read, and only if the shards are still exactly the kept ones.
+                for row in client.select(
+                    &*kept_plan(client, &HELD_PLAN, HELD, &CLAIM_TYPES[..1])?,
+                    None,
+                    &[settings.pid.into()],
+                )? {
+                    claimed.push((
+                        row.get::<i16>(1)?.unwrap_or_default(),
+                        row.get::<String>(2)?.unwrap_or_default(),
+                        0,
+                        row.get::<String>(3)?.unwrap_or_default(),
+                        false,
+                    ));
+                }
+                if !claimed.iter().map(|(shard, ..)| *shard).eq(kept.iter().copied()) {
+                    forget_kept_claim();
+                    claimed.clear();
+                }
+            }
+            if claimed.is_empty() {
                 for row in client.update(
                     &*kept_plan(client, &CLAIM_PLAN, CLAIM, &CLAIM_TYPES)?,
                     None,
@@ -605,7 +607,9 @@ fn finish(settlement: Settlement, batch: &Batch, settings: &TickSettings) -> Res
         }
         Ok(finished)
     });
-    finished_kept_claim(if finished.is_ok() && !holds { Some(&batch.shards) } else { None });
+    if finished.is_err() || holds {
+        forget_kept_claim();
+    }
     finished
 }
 
