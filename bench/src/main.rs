@@ -1509,7 +1509,7 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
         row(&r.baseline, &|d| grouped(d.events_per_s))
     ));
     md.push_str(&format!(
-        "| external relay, CPU per event (backend + process) | {} |\n\n",
+        "| external relay, CPU per event (backend + process) | {} |\n",
         row(&r.baseline, &|d| format!(
             "{:.1} µs ({:.1} + {:.1})",
             d.cpu_us_per_event,
