@@ -100,7 +100,7 @@ const RECORD_SNAPSHOT: &str = "SELECT outbox._record_snapshot($1)";
 const RETENTION: &str = "SELECT outbox._retention($1 * interval '1 second')";
 const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pending_age()) * 1000)::float8";
 
-/// The argument types of CLAIM and ADVANCE, which every round runs.
+/// The argument types of CLAIM (HELD takes its first: the relay's pid) and ADVANCE.
 const CLAIM_TYPES: [PgOid; 3] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID); 3];
 const ADVANCE_TYPES: [PgOid; 7] = [
     PgOid::BuiltIn(PgBuiltInOids::INT4OID),
