@@ -286,12 +286,11 @@ $fn$;
 --
 -- The shards go first: their row locks keep any other relay from taking them over until this
 -- commits, so nobody else writes the counters of their aggregates meanwhile. counted[n] says
--- whether the batch's read found aggregate n's counter. Those are updated in place; the others
--- are plain INSERTs. That costs half of what INSERT ... ON CONFLICT does per row (no speculative
--- insertion), and a workload where every event is its own aggregate (a payment, an order) makes
--- a new counter for every event (docs/performance.md). A counter found by the read cannot be
--- deleted meanwhile (forget_aggregates keeps those with events in the log); if one was all the
--- same, every counter is upserted.
+-- whether the batch's read found aggregate n's counter. Those are upserted: ON CONFLICT finds the
+-- row before inserting and updates it (one that was deleted meanwhile is inserted again). The
+-- others are plain INSERTs, which cost half of what ON CONFLICT does for a new row (no
+-- speculative insertion); a workload where every event is its own aggregate (a payment, an
+-- order) makes a new counter for every event (docs/performance.md).
 CREATE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
                                 aggregate_types text[], aggregate_ids text[], last_seqs bigint[],
                                 counted boolean[])
@@ -303,7 +302,6 @@ SET enable_seqscan = off
 AS $fn$
 DECLARE
     advanced integer;
-    updated integer;
     -- A value, not clock_timestamp() in the statement: a volatile bound cannot be an index
     -- condition, and every round would then read every tick of each of its shards.
     recent timestamptz := clock_timestamp() - interval '1 second';
@@ -329,19 +327,16 @@ BEGIN
                   HINT = 'The relay''s lease expired (outbox.lease) while it was publishing; the new holder publishes the batch again.';
     END IF;
     IF cardinality(aggregate_types) > 0 THEN
-        UPDATE outbox.aggregates a SET last_seq = greatest(a.last_seq, x.s)
-          FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
-         WHERE x.c AND a.aggregate_type = x.t AND a.aggregate_id = x.i;
-        GET DIAGNOSTICS updated = ROW_COUNT;
-        IF updated = (SELECT count(*) FROM unnest(counted) AS c WHERE c) THEN
-            INSERT INTO outbox.aggregates (aggregate_type, aggregate_id, last_seq)
-            SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
-             WHERE NOT x.c;
-        ELSE
-            INSERT INTO outbox.aggregates AS a (aggregate_type, aggregate_id, last_seq)
-            SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs) AS x(t, i, s)
-            ON CONFLICT ON CONSTRAINT aggregates_pkey DO UPDATE SET last_seq = greatest(a.last_seq, excluded.last_seq);
-        END IF;
+        -- Neither statement joins: each row is found through the primary key, whatever the
+        -- statistics (an UPDATE ... FROM unnest planned while the table was empty scans every
+        -- counter once per aggregate).
+        INSERT INTO outbox.aggregates AS a (aggregate_type, aggregate_id, last_seq)
+        SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
+         WHERE x.c
+        ON CONFLICT ON CONSTRAINT aggregates_pkey DO UPDATE SET last_seq = greatest(a.last_seq, excluded.last_seq);
+        INSERT INTO outbox.aggregates (aggregate_type, aggregate_id, last_seq)
+        SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
+         WHERE NOT x.c;
     END IF;
 END
 $fn$;

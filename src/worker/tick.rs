@@ -315,7 +315,7 @@ struct Batch {
     /// From the log, oldest first (id order), each with its `aggregate_seq` assigned.
     events: Vec<OutboxEvent>,
     /// Their aggregates' counters after the batch: (type, id, last_seq, whether the read found
-    /// the counter: the finish updates those and inserts the others).
+    /// the counter: the finish upserts those and plain-INSERTs the others).
     counters: Vec<(String, String, i64, bool)>,
     /// Of `events`, the ids of those whose aggregate has events on the failure path: they go there
     /// too, behind them, without being sent.
