@@ -36,6 +36,24 @@ pub unsafe fn relation_in(schema: pg_sys::Oid, name: &CStr, reader: &str) -> pg_
     oid
 }
 
+/// A tuple descriptor's attributes, in column order.
+///
+/// # Safety
+/// `descriptor` is a valid tuple descriptor that outlives `'a`.
+pub unsafe fn attributes<'a>(descriptor: *const pg_sys::TupleDescData) -> &'a [pg_sys::FormData_pg_attribute] {
+    // SAFETY: a valid descriptor holds `natts` attributes.
+    unsafe {
+        let natts = (*descriptor).natts as usize;
+        // PostgreSQL 18 moved them behind the `compact_attrs` array (its TupleDescAttr); up to 17
+        // they are the `attrs` array itself.
+        #[cfg(feature = "pg18")]
+        let first = (*descriptor).compact_attrs.as_ptr().add(natts).cast::<pg_sys::FormData_pg_attribute>();
+        #[cfg(any(feature = "pg15", feature = "pg16", feature = "pg17"))]
+        let first = (*descriptor).attrs.as_ptr();
+        std::slice::from_raw_parts(first, natts)
+    }
+}
+
 /// The attribute number (1-based) of an open relation's column, found by name: a column a DBA
 /// added shifts nothing.
 ///
@@ -44,9 +62,7 @@ pub unsafe fn relation_in(schema: pg_sys::Oid, name: &CStr, reader: &str) -> pg_
 pub unsafe fn column(relation: pg_sys::Relation, name: &str) -> usize {
     // SAFETY: an open relation; its descriptor lives as long as it is open.
     unsafe {
-        let descriptor = (*relation).rd_att;
-        let attributes = (*descriptor).attrs.as_slice((*descriptor).natts as usize);
-        attributes
+        attributes((*relation).rd_att)
             .iter()
             .position(|a| !a.attisdropped && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes())
             .map(|n| n + 1)
@@ -67,8 +83,23 @@ pub unsafe fn text(datum: pg_sys::Datum) -> String {
         let text = pg_sys::pg_detoast_datum_packed(datum.cast_mut_ptr());
         let len = pgrx::varlena::varsize_any_exhdr(text);
         let bytes = std::slice::from_raw_parts(pgrx::varlena::vardata_any(text) as *const u8, len);
-        String::from_utf8_lossy(bytes).into_owned()
+        owned_text(bytes)
     }
+}
+
+/// `bytes` as an owned UTF-8 string (invalid sequences replaced), copied into memory reserved
+/// first: an allocation that fails raises an ERROR (the relay's round backs off) instead of
+/// aborting the process, which would restart every backend of the cluster.
+pub fn owned_text(bytes: &[u8]) -> String {
+    let mut owned = String::new();
+    if owned.try_reserve_exact(bytes.len()).is_err() {
+        error!("outbox_pg: out of memory: could not allocate {} bytes for an event's text", bytes.len());
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(text) => owned.push_str(text),
+        Err(_) => owned.push_str(&String::from_utf8_lossy(bytes)),
+    }
+    owned
 }
 
 /// Calls `with` on a jsonb's text form (what is sent to Redis), freed afterwards.
@@ -94,7 +125,7 @@ pub unsafe fn with_jsonb_text<T>(datum: pg_sys::Datum, with: impl FnOnce(&CStr) 
 /// `datum` is a non-NULL jsonb datum.
 pub unsafe fn jsonb_text(datum: pg_sys::Datum) -> String {
     // SAFETY: as in with_jsonb_text.
-    unsafe { with_jsonb_text(datum, |text| text.to_string_lossy().into_owned()) }
+    unsafe { with_jsonb_text(datum, |text| owned_text(text.to_bytes())) }
 }
 
 /// A uuid's text form, as `uuid::text` gives it (lower-case, hyphenated).

@@ -8,7 +8,7 @@
 
 use pgrx::prelude::*;
 
-use crate::datums;
+use crate::log::datums;
 
 /// Who reads, for the errors.
 const READER: &str = "outbox_pg (reading the counters)";
@@ -77,8 +77,9 @@ pub fn last_seqs<'a>(aggregates: impl ExactSizeIterator<Item = (&'a str, &'a str
     found
 }
 
-/// `outbox._counters`: the counters as the relays read them, for tests and diagnosis: the 1-based
-/// position and last `aggregate_seq` of each aggregate that has one.
+/// `tests.counters` (src/sql/test_helpers.sql, test build only): the counters as the relays read
+/// them: the 1-based position and last `aggregate_seq` of each aggregate that has one.
+#[cfg(any(test, feature = "pg_test"))]
 #[pg_extern(sql = false)]
 fn counters(
     aggregate_types: Array<&str>,
@@ -92,7 +93,7 @@ fn counters(
             ERROR,
             PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
             format!(
-                "outbox._counters: {} aggregate types and {} aggregate ids (with NULLs: {})",
+                "tests.counters: {} aggregate types and {} aggregate ids (with NULLs: {})",
                 aggregate_types.len(),
                 aggregate_ids.len(),
                 aggregate_types.contains_nulls() || aggregate_ids.contains_nulls()

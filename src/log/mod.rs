@@ -1,0 +1,21 @@
+//! The log: the three tables `outbox_enqueue` appends to and the relays read, never updating or
+//! deleting a row (retention truncates whole tables). docs/worker.md, "The log".
+//!
+//! - `columns`: the tables and their columns, written once for every Rust path.
+//! - `append`: the enqueue's write: the current table, the next id, the row's insert.
+//! - `snapshot`: a cursor's `pg_snapshot`: which transactions it sees.
+//! - `window`: the batch rule: which events of a shard a round publishes, in which order, and how
+//!   a window too large for one round is published in parts.
+//! - `tables`: the tables opened under one snapshot, and their index scans.
+//! - `pending`: what is undelivered, exactly (outbox.stats, the age alert).
+//! - `counters`: the per-aggregate `aggregate_seq` counters.
+//! - `datums`: relations, columns and values read without the executor.
+
+pub mod append;
+pub mod columns;
+pub mod counters;
+pub mod datums;
+pub mod pending;
+pub mod snapshot;
+pub mod tables;
+pub mod window;
