@@ -6,7 +6,7 @@
 //! A connection to no database cannot read another database's `pg_extension`, so the launcher
 //! learns where the extension is by starting one relay there (a *probe*): a relay that finds no
 //! outbox_pg says so in shared memory and exits, and the launcher leaves that database alone until
-//! a committed `CREATE EXTENSION` or `CREATE DATABASE` (src/object_access.rs), or a reload, asks it
+//! a committed `CREATE EXTENSION` or `CREATE DATABASE` (src/hooks/object_access.rs), or a reload, asks it
 //! to look again. A relay that finds the extension makes the launcher start the others.
 //!
 //! Databases that are dropped, become templates, refuse connections or leave `outbox.databases`
@@ -25,7 +25,7 @@ use pgrx::bgworkers::{
 use pgrx::prelude::*;
 
 use crate::guc;
-use crate::shmem::{self, ExtensionState};
+use crate::shared::{self, ExtensionState};
 
 /// Pause between a relay exit and its replacement, so that a relay failing at start cannot spin.
 const RELAUNCH_DELAY: Duration = Duration::from_secs(1);
@@ -85,20 +85,25 @@ pub extern "C-unwind" fn outbox_pg_launcher_main(_arg: pg_sys::Datum) {
     // postmaster signalled in that window is lost. Reading the configuration once now catches it.
     // SAFETY: the documented way for a worker to re-read postgresql.conf, outside any transaction.
     unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-    shmem::register_launcher();
+    shared::register_launcher();
     // SAFETY: `forget_launcher` matches pg_on_exit_callback and only touches a shared atomic.
     unsafe { pg_sys::before_shmem_exit(Some(forget_launcher), pg_sys::Datum::from(0)) };
 
+    log!(
+        "outbox_pg launcher: relaying at most {} databases (outbox.max_databases; {} kB of shared memory)",
+        shared::database_entries(),
+        (shared::database_entries() * shared::ENTRY_BYTES).div_ceil(1024)
+    );
     let mut launcher = Launcher {
         databases: HashMap::new(),
         reported_filter: None,
-        reported_full: false,
+        reported_left_out: Vec::new(),
         reported_absent: Vec::new(),
     };
     // Entries left by a previous launcher (it was terminated; its relays may still run): adopt
     // them, so that their relays are waited for rather than doubled.
-    for (entry, oid) in shmem::assigned_databases() {
-        let slots = (0..shmem::MAX_RELAYS).map(|_| Slot::idle()).collect();
+    for (entry, oid) in shared::assigned_databases() {
+        let slots = (0..shared::MAX_RELAYS).map(|_| Slot::idle()).collect();
         launcher.databases.insert(
             oid,
             Database::Served(Served { entry, name: format!("oid {}", oid.to_u32()), slots, probed_at_generation: 0 }),
@@ -110,7 +115,7 @@ pub extern "C-unwind" fn outbox_pg_launcher_main(_arg: pg_sys::Datum) {
             // SAFETY: the documented way for a worker to re-read postgresql.conf after SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             // A reload is also the operator's way to make the launcher look everywhere again.
-            shmem::request_rescan();
+            shared::request_rescan();
         }
         let timeout = launcher.supervise();
         if !BackgroundWorker::wait_latch(Some(timeout)) {
@@ -137,8 +142,8 @@ struct Launcher {
     databases: HashMap<pg_sys::Oid, Database>,
     /// The database filter last logged, so that it is logged once per change.
     reported_filter: Option<Option<Vec<String>>>,
-    /// Whether "too many databases" was logged since an entry was last free.
-    reported_full: bool,
+    /// The databases left out for lack of an entry, as last logged.
+    reported_left_out: Vec<String>,
     /// Databases named in the filter that do not exist, as last logged.
     reported_absent: Vec<String>,
 }
@@ -168,15 +173,22 @@ impl Launcher {
             log!("outbox_pg launcher: database \"{name}\" does not exist; its relays start when it is created");
         }
         self.reported_absent = absent;
-        let generation = shmem::rescan_generation();
-        let wanted: HashMap<pg_sys::Oid, &Listed> = listed
+        let generation = shared::rescan_generation();
+        // In a fixed order, so that when there are more databases than entries the same ones are
+        // relayed after every restart: the order of outbox.databases when it is set, else the
+        // databases' OIDs (creation order). A database relayed keeps its entry meanwhile.
+        let mut wanted: Vec<&Listed> = listed
             .iter()
             .filter(|db| db.relayable && filter.as_ref().is_none_or(|names| names.contains(&db.name)))
-            .map(|db| (db.oid, db))
             .collect();
+        match &filter {
+            Some(names) => wanted.sort_by_key(|db| names.iter().position(|name| *name == db.name)),
+            None => wanted.sort_by_key(|db| db.oid.to_u32()),
+        }
 
         // Databases no longer wanted (dropped, filtered out, made templates): stop their relays.
-        let gone: Vec<pg_sys::Oid> = self.databases.keys().filter(|oid| !wanted.contains_key(oid)).copied().collect();
+        let gone: Vec<pg_sys::Oid> =
+            self.databases.keys().filter(|oid| !wanted.iter().any(|db| db.oid == **oid)).copied().collect();
         for oid in gone {
             if let Some(Database::Served(mut served)) = self.databases.remove(&oid) {
                 let still_running = stop_all(&mut served);
@@ -184,14 +196,15 @@ impl Launcher {
                     // Keep the entry until its relays are gone (a leftover of a previous launcher).
                     self.databases.insert(oid, Database::Served(served));
                 } else {
-                    shmem::release_entry(served.entry);
-                    self.reported_full = false;
+                    shared::release_entry(served.entry);
                 }
             }
         }
 
         let mut timeout = SCAN_INTERVAL;
-        for (oid, db) in wanted {
+        let mut left_out = Vec::new();
+        for db in wanted {
+            let oid = db.oid;
             let state = self
                 .databases
                 .entry(oid)
@@ -201,21 +214,11 @@ impl Launcher {
                     continue;
                 }
                 // Look (again): start a probe.
-                let entry = match shmem::entry_of(oid).or_else(|| shmem::claim_entry(oid)) {
-                    Some(entry) => entry,
-                    None => {
-                        if !self.reported_full {
-                            warning!(
-                                "outbox_pg launcher: cannot relay database \"{}\": already relaying {} databases, the most one server can",
-                                db.name,
-                                shmem::MAX_DATABASES
-                            );
-                            self.reported_full = true;
-                        }
-                        continue;
-                    }
+                let Some(entry) = shared::entry_of(oid).or_else(|| shared::claim_entry(oid)) else {
+                    left_out.push(db.name.clone());
+                    continue;
                 };
-                let slots = (0..shmem::MAX_RELAYS).map(|_| Slot::idle()).collect();
+                let slots = (0..shared::MAX_RELAYS).map(|_| Slot::idle()).collect();
                 *state =
                     Database::Served(Served { entry, name: db.name.clone(), slots, probed_at_generation: generation });
             }
@@ -225,13 +228,36 @@ impl Launcher {
                 Ok(wait) => timeout = timeout.min(wait),
                 Err(probed_at) => {
                     // No outbox_pg there: free the entry until a rescan.
-                    shmem::release_entry(served.entry);
-                    self.reported_full = false;
+                    shared::release_entry(served.entry);
                     *state = Database::WithoutExtension { generation: probed_at };
                     timeout = Duration::ZERO;
                 }
             }
         }
+        // Left out for good only while every entry serves a database that has outbox_pg (an entry
+        // held by a probe is free again soon): then outbox_enqueue refuses in those databases.
+        let full = !left_out.is_empty() && shared::every_entry_serves();
+        shared::set_full(full);
+        // Decided once no probe holds an entry: a database with outbox_pg then has an entry or is
+        // left out for good, and outbox_enqueue, which waits for this, answers accordingly.
+        shared::set_decided(shared::no_entry_probing());
+        if !full {
+            left_out.clear();
+            if !self.reported_left_out.is_empty() {
+                timeout = timeout.min(RELAUNCH_DELAY);
+            }
+        }
+        for name in left_out.iter().filter(|name| !self.reported_left_out.contains(name)) {
+            warning!(
+                "outbox_pg launcher: database \"{name}\" gets no relay: outbox_pg already relays {} databases, outbox.max_databases; outbox_enqueue refuses there",
+                shared::database_entries()
+            );
+        }
+        if !left_out.is_empty() {
+            // Probes of databases without outbox_pg may free an entry: look again soon.
+            timeout = timeout.min(NO_SLOT_RETRY);
+        }
+        self.reported_left_out = left_out;
         timeout
     }
 }
@@ -240,7 +266,7 @@ impl Served {
     /// Starts and stops this database's relays. `Err` (with the generation its probe started at)
     /// when they found no outbox_pg and all exited.
     fn supervise(&mut self, oid: pg_sys::Oid) -> Result<Duration, u32> {
-        let extension = shmem::extension_state(self.entry);
+        let extension = shared::extension_state(self.entry);
         let wanted = match extension {
             ExtensionState::Present => guc::workers(),
             // One relay finds out whether the extension is there.
@@ -274,7 +300,7 @@ impl Served {
                         continue;
                     }
                     // A relay left over from a previous launcher (which was terminated) still runs.
-                    if shmem::relay_pid_at(self.entry, index).is_some_and(process_alive) {
+                    if shared::relay_pid_at(self.entry, index).is_some_and(process_alive) {
                         running += 1;
                         timeout = timeout.min(RELAUNCH_DELAY);
                         continue;
@@ -292,7 +318,7 @@ impl Served {
                             if !*failed_start {
                                 warning!("outbox_pg launcher: {problem}");
                             }
-                            shmem::set_error_at(self.entry, &problem);
+                            shared::set_error_at(self.entry, &problem);
                             *slot = Slot::Idle { not_before: now + NO_SLOT_RETRY, failed_start: true };
                             timeout = timeout.min(NO_SLOT_RETRY);
                         }
@@ -303,7 +329,7 @@ impl Served {
         }
         if extension == ExtensionState::Missing && running == 0 {
             let leftovers =
-                (0..shmem::MAX_RELAYS).any(|slot| shmem::relay_pid_at(self.entry, slot).is_some_and(process_alive));
+                (0..shared::MAX_RELAYS).any(|slot| shared::relay_pid_at(self.entry, slot).is_some_and(process_alive));
             if !leftovers {
                 return Err(self.probed_at_generation);
             }
@@ -320,7 +346,7 @@ fn stop_all(served: &mut Served) -> bool {
             let _ = handle.terminate().wait_for_shutdown();
         }
     }
-    (0..shmem::MAX_RELAYS).any(|slot| shmem::relay_pid_at(served.entry, slot).is_some_and(process_alive))
+    (0..shared::MAX_RELAYS).any(|slot| shared::relay_pid_at(served.entry, slot).is_some_and(process_alive))
 }
 
 fn no_slot_message(database: &str, index: usize) -> String {
@@ -408,7 +434,7 @@ fn process_alive(pid: i32) -> bool {
 
 #[pg_guard]
 unsafe extern "C-unwind" fn forget_launcher(_code: i32, _arg: pg_sys::Datum) {
-    shmem::unregister_launcher();
+    shared::unregister_launcher();
 }
 
 /// Registers the launcher; called from `_PG_init` while preloading.

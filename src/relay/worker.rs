@@ -5,19 +5,30 @@
 //! and restarted by the launcher; it exits when outbox_pg is not (or no longer) installed in its
 //! database, which tells the launcher to leave that database alone, and when its database's own
 //! settings (`ALTER DATABASE ... SET outbox.*`) change, so that the launcher starts it with them.
+//!
+//! One file, longer than most: the loop and what each outcome of a round, a replay round, a
+//! housekeeping pass and a loss check means for it (health, backoff, the next wait); a split would
+//! put the decisions about one relay's next step in several places.
 
 use std::time::{Duration, Instant};
 
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
-use crate::claims;
-use crate::guc::{self, FaultInjection};
-use crate::shmem::{self, ExtensionState};
-use crate::sink::redis::{RedisConfig, RedisSink, TlsFiles};
-use crate::worker::backoff::Backoff;
-use crate::worker::tick::{self, RoundTimings, TickOutcome, TickSettings};
-use crate::worker::txn;
+use crate::guc;
+use crate::relay::backoff::Backoff;
+use crate::relay::health::{human, log_if_slow_round, millis, Health, HealthLog};
+use crate::relay::housekeeping::{self, HousekeepingOutcome};
+use crate::relay::losses;
+use crate::relay::replay::{self, ReplayOutcome};
+use crate::relay::round::{self, RoundTimings, TickOutcome, TickSettings};
+use crate::relay::settings::{self, adopt_own_settings, redis_config, warn_about_settings};
+use crate::relay::state::RoundState;
+use crate::relay::txn;
+use crate::shared::in_flight;
+use crate::shared::{self, ExtensionState};
+use crate::sink::marks::MAX_STREAMS;
+use crate::sink::redis::RedisSink;
 
 /// Delay of the first retry after Redis or the database failed; doubles up to `BACKOFF_CAP`.
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
@@ -25,8 +36,17 @@ const BACKOFF_CAP: Duration = Duration::from_secs(10);
 /// Housekeeping cadence while anything is undelivered or being purged; when the outbox is empty it
 /// runs only once per poll interval, so an idle relay queries no more often than that.
 const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
-/// While the oldest pending event stays above `outbox.alert_age`, repeat the WARNING this often.
-const ALERT_REPEAT: Duration = Duration::from_secs(60);
+/// How often a relay stores its stream marks when they moved.
+const MARKS_STORED_EVERY: Duration = Duration::from_secs(1);
+/// How often a relay prunes `outbox.stream_marks` (src/relay/losses.rs, `prune_marks`).
+const MARKS_PRUNED_EVERY: Duration = Duration::from_secs(60);
+/// While another relay replays what Redis lost, how long this one waits before it looks again.
+const REPAIR_WAIT: Duration = Duration::from_millis(20);
+/// With live traffic going on, a running replay gets a round at least this often.
+const REPLAY_EVERY: Duration = Duration::from_millis(20);
+/// A live round that published something this recently means live traffic flows: replay rounds
+/// are short (`replay::Limits::LIVE`) and take at most half of the relay's time.
+const LIVE_RECENTLY: Duration = Duration::from_secs(1);
 /// After a round that published a partial batch, events are arriving one commit at a time: the
 /// relay pauses before the next claim so that a round carries several of them. Each round costs
 /// two short transactions and a Redis round trip whatever its size (about 0.3 to 1 ms of CPU when
@@ -50,26 +70,14 @@ fn coalesce_window(events: usize) -> Duration {
     COALESCE_PER_EVENT.saturating_mul(events.min(u32::MAX as usize) as u32).clamp(COALESCE_MIN, COALESCE_MAX)
 }
 
-/// What the relay last reported, so that it logs changes of state rather than every retry.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Health {
-    Healthy,
-    /// The database's extension version (the library's is tick::LIBRARY_VERSION).
-    ExtensionOutdated(String),
-    BrokerDown(String),
-    DatabaseError(String),
-    Disabled,
-}
-
 struct Relay {
     /// Which of the `outbox.workers` relays this is.
     slot: usize,
     sink: RedisSink,
+    /// What the rounds keep from one to the next.
+    state: RoundState,
     backoff: Backoff,
-    health: Health,
-    /// The Redis the current outage concerns, so that a reload pointing at another (also broken)
-    /// Redis is reported as a new outage rather than swallowed as the same one.
-    outage_target: Option<String>,
+    health: HealthLog,
     retry_at: Option<Instant>,
     database: String,
     /// Shards held in the last round that got that far: holding fewer now means shards were given
@@ -88,6 +96,23 @@ struct Relay {
     exit: bool,
     /// The database's and role's own settings (pg_db_role_setting) the relay started with.
     own_settings: String,
+    /// The Redis whose stream marks stored by earlier relays were loaded into the sink (by its
+    /// description: no credentials), and when this relay last stored its own
+    /// (src/relay/losses.rs).
+    marks_loaded: Option<String>,
+    marks_stored_at: Instant,
+    /// When `outbox.stream_marks` was last pruned, and the streams forgotten when last logged.
+    marks_pruned_at: Instant,
+    marks_forgotten_logged: u64,
+    /// When the last replay round ended, and how long it took: with live traffic going on, the
+    /// next one runs once live rounds have had as long (and at least `REPLAY_EVERY` after it).
+    replayed_at: Instant,
+    replay_took: Duration,
+    /// When a live round last published something.
+    live_at: Option<Instant>,
+    /// Redis lost entries and `outbox.replay_on_loss` is on: no live round runs until the replays
+    /// that repair the losses are done, so that in each stream the replayed events come first.
+    repairing: bool,
 }
 
 #[pg_guard]
@@ -95,61 +120,40 @@ struct Relay {
 pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let database_oid = pg_sys::Oid::from(arg.value() as u32);
-    let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shmem::MAX_RELAYS - 1);
+    let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shared::MAX_RELAYS - 1);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
     // Until attach_signal_handlers ran, PostgreSQL's worker start-up ignored SIGHUP: a reload the
     // postmaster signalled in that window is lost. Reading the configuration once now catches it.
     // SAFETY: the documented way for a worker to re-read postgresql.conf, outside any transaction.
     unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-    let (database, own_settings) = txn::run(|| Ok::<_, String>((current_database(), own_settings())))
-        .unwrap_or_else(|error| (format!("oid {}", database_oid.to_u32()), error));
+    let (database, own_settings) = match txn::run(|| Ok::<_, String>((current_database(), adopt_own_settings()))) {
+        Ok((database, Some(own_settings))) => (database, own_settings),
+        Ok((database, None)) => {
+            log!(
+                "outbox_pg relay {slot}: a setting of database \"{database}\" was reset while the relay connected; restarting to apply it"
+            );
+            return;
+        }
+        Err(error) => (format!("oid {}", database_oid.to_u32()), error),
+    };
 
-    // The relay's batch statements gain nothing from JIT and would pay its compile time per call.
-    // Its commits need not wait for the WAL flush: a relay commit lost in a crash (claim, mark,
-    // rejection, retention) only means an event is published again or a row deleted later, never
-    // that an event is lost, while waiting would put an fsync on every event's path to Redis.
-    // The claim's correctness argument (src/claims.rs) needs each statement to see a fresh
-    // snapshot, i.e. READ COMMITTED, and the relay writes: a database or role default of
-    // repeatable read, serializable or read-only must not apply to the relay's transactions.
-    for (name, value) in [
-        (c"jit", c"off"),
-        (c"synchronous_commit", c"off"),
-        (c"default_transaction_isolation", c"read committed"),
-        (c"default_transaction_read_only", c"off"),
-        // A relay never waits long on a row lock (a session holding its shard rows, an admin's
-        // forget_aggregates): it backs off and tries again, answering SIGTERM in between.
-        (c"lock_timeout", c"2s"),
-        // The relay's statements take arrays and snapshots as parameters; planned for each call's
-        // values (PL/pgSQL's custom plans) the batch read cost over a millisecond a round to plan,
-        // more than running it. Their generic plans are index walks whatever the values.
-        (c"plan_cache_mode", c"force_generic_plan"),
-    ] {
-        // SAFETY: static NUL-terminated strings; all are user-settable options.
-        unsafe {
-            pg_sys::SetConfigOption(
-                name.as_ptr(),
-                value.as_ptr(),
-                pg_sys::GucContext::PGC_SUSET,
-                pg_sys::GucSource::PGC_S_OVERRIDE,
-            )
-        };
-    }
-    if !shmem::register_relay(slot) {
+    settings::pin_session_settings();
+    if !shared::register_relay(slot) {
         // The launcher gave up on this database meanwhile (dropped, filtered out).
         return;
     }
-    claims::clear(slot);
+    in_flight::clear(slot);
     // A (re)started relay first returns the claims its predecessor left behind.
-    shmem::schedule_housekeeping(Duration::ZERO);
+    shared::schedule_housekeeping(Duration::ZERO);
     // SAFETY: `forget_relay` matches pg_on_exit_callback and only touches shared atomics.
     unsafe { pg_sys::before_shmem_exit(Some(forget_relay), pg_sys::Datum::from(slot)) };
 
     let mut relay = Relay {
         slot,
         sink: RedisSink::new(),
+        state: RoundState::default(),
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
-        health: Health::Healthy,
-        outage_target: None,
+        health: HealthLog::new(),
         retry_at: None,
         database,
         shards_held: 0,
@@ -158,19 +162,32 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         found_extension: false,
         exit: false,
         own_settings,
+        marks_loaded: None,
+        marks_stored_at: Instant::now(),
+        marks_pruned_at: Instant::now(),
+        marks_forgotten_logged: 0,
+        replayed_at: Instant::now(),
+        replay_took: Duration::ZERO,
+        live_at: None,
+        repairing: false,
     };
     relay.sink.configure(redis_config());
 
     loop {
-        if shmem::step_aside_requested() {
-            log!("outbox_pg relay {}: database \"{}\" is being dropped; stepping aside", relay.slot, relay.database);
+        shared::relay_alive(relay.slot);
+        if shared::step_aside_requested() {
+            log!(
+                "outbox_pg relay {}: database \"{}\" is being dropped, renamed or copied; stepping aside",
+                relay.slot,
+                relay.database
+            );
             break;
         }
         if BackgroundWorker::sighup_received() {
             // SAFETY: the documented way for a worker to re-read postgresql.conf after SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
             // A reload does not re-read pg_db_role_setting: start again to apply a change there.
-            match txn::run(|| Ok::<_, String>(self::own_settings())) {
+            match txn::run(|| Ok::<_, String>(settings::own_settings())) {
                 Ok(settings) if settings != relay.own_settings => {
                     log!(
                         "outbox_pg relay {}: the settings of database \"{}\" changed (ALTER DATABASE or ALTER ROLE ... SET); restarting to apply them",
@@ -184,6 +201,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             if relay.slot == 0 && relay.found_extension {
                 warn_about_settings();
             }
+            relay.land_in_flight();
             let before = relay.sink.describe();
             relay.sink.configure(redis_config());
             let after = relay.sink.describe();
@@ -195,9 +213,8 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             if after != before || !relay.sink.is_connected() {
                 relay.retry_at = None;
             }
-            if guc::fault_injection() == FaultInjection::None {
-                shmem::set_fault_fired(false);
-            }
+            #[cfg(feature = "fault-injection")]
+            crate::faults::reloaded();
         }
 
         // Background workers must flush their statistics themselves (PostgresMain does it for
@@ -212,6 +229,9 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         match next {
             Some(timeout) => {
                 report_activity(false);
+                // Awake at least every third of the lease, so that it keeps counting as alive and
+                // renews its claim whatever outbox.poll_interval says.
+                let timeout = timeout.min(guc::lease() / 3);
                 if stop_requested() || !BackgroundWorker::wait_latch(Some(timeout)) {
                     break;
                 }
@@ -225,6 +245,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             }
         }
     }
+    relay.land_in_flight();
     log!("outbox_pg relay stopping");
 }
 
@@ -242,7 +263,7 @@ impl Relay {
         }
         // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
         // One relay does it for all, whichever gets there first (a hung one is replaced).
-        if shmem::claim_housekeeping(HOUSEKEEPING_BUSY) {
+        if shared::claim_housekeeping(HOUSEKEEPING_BUSY) {
             let started = Instant::now();
             let done = self.housekeeping();
             if let (Ok(_), Some(threshold)) = (&done, guc::log_min_duration()) {
@@ -254,16 +275,20 @@ impl Relay {
                     );
                 }
             }
+            if self.exit {
+                return Some(Duration::ZERO);
+            }
             match done {
                 Ok(busy) => {
-                    shmem::schedule_housekeeping(if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) })
+                    shared::schedule_housekeeping(if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) })
                 }
                 Err(error) => return Some(self.failed(Health::DatabaseError(error))),
             }
         }
-        let until_housekeeping = shmem::until_housekeeping();
-        shmem::set_paused(!guc::enabled());
+        let until_housekeeping = shared::until_housekeeping();
+        shared::set_paused(!guc::enabled());
         if !guc::enabled() {
+            self.land_in_flight();
             self.set_health(Health::Disabled);
             return Some(poll.min(until_housekeeping));
         }
@@ -275,26 +300,67 @@ impl Relay {
             pid: unsafe { pg_sys::MyProcPid },
             // Shared among the relays that run, not those asked for: when a worker slot is
             // missing, the running relays take its shards too.
-            share: crate::order::SHARDS.div_ceil(shmem::relays_running().max(1) as u64) as usize,
+            // and alive: a hung relay stops counting after the lease, so that the others take all
+            // of its shards over rather than their share while it counted.
+            share: crate::enqueue::order::SHARDS.div_ceil(shared::relays_alive(guc::lease()).max(1) as u64) as usize,
             lease: guc::lease(),
             batch_size: guc::batch_size(),
-            stream_template: guc::stream_template(),
-            stream_maxlen: guc::stream_maxlen(),
+            entries: settings::entry_settings(&self.database),
             in_order: guc::ordering() == guc::Ordering::Aggregate,
             full_read: Instant::now() >= self.full_read_at,
             max_attempts: guc::max_attempts(),
             retry_delay_ms: guc::retry_delay_ms(),
-            fault: guc::fault_injection(),
         };
+        // The marks earlier relays stored, before this relay's first write: a stream Redis lost
+        // while no relay ran would be written to again first, and the loss hidden.
+        // (Only where the extension was last found at this library's version: the table is 0.3.0's.)
+        if self.state.version_checked.is_some() && self.marks_loaded.is_none() {
+            if let Err(error) = self.keep_marks() {
+                return Some(self.failed(Health::DatabaseError(error)));
+            }
+        }
+        // No live round while a loss repair runs, whichever relay of the database recorded the
+        // loss (shared::repairs_raised: two atomic loads a round; the query only while raised).
+        let raised = if guc::replay_on_loss() { shared::repairs_raised() } else { None };
+        if self.repairing || raised.is_some() {
+            match losses::repairs_running(&mut self.state) {
+                // Another relay may be running the repair: wait a little for it.
+                Ok(true) => {
+                    self.repairing = true;
+                    return Some(self.replay(&settings).unwrap_or(REPAIR_WAIT));
+                }
+                Ok(false) => {
+                    self.repairing = false;
+                    if let Some(raised) = raised {
+                        shared::repairs_checked(raised);
+                    }
+                }
+                Err(error) => return Some(self.failed(Health::DatabaseError(error))),
+            }
+        }
         let mut timings = RoundTimings::default();
-        let outcome = tick::tick(&mut self.sink, &settings, &mut timings);
+        let outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut timings);
+        // Only where the extension is ready at this library's version (the marks' table is
+        // 0.3.0's): after a round that could run.
+        if matches!(outcome, TickOutcome::Worked { .. } | TickOutcome::Idle | TickOutcome::SteppedOver) {
+            if let Err(error) = self.keep_marks() {
+                return Some(self.failed(Health::DatabaseError(error)));
+            }
+        }
+        if self.report_losses() && guc::replay_on_loss() {
+            // The round stopped before writing (the sink found the loss first): repair, then go on.
+            self.repairing = true;
+            return Some(Duration::ZERO);
+        }
         if !matches!(outcome, TickOutcome::ExtensionMissing | TickOutcome::DatabaseError(_)) {
             self.extension_found();
         }
-        shmem::set_redis_connected(self.sink.is_connected());
+        shared::set_redis_connected(self.sink.is_connected());
         // A cut batch or a failure reads everything again next round; otherwise a full read once
         // per poll interval.
         match &outcome {
+            // A round left in flight is landed by the next round, which reads on a kept claim.
+            TickOutcome::Worked { in_flight: true, .. } => {}
             TickOutcome::Worked { more: true, .. }
             | TickOutcome::SteppedOver
             | TickOutcome::BrokerDown { .. }
@@ -304,7 +370,7 @@ impl Relay {
         }
         if let Some(held) = timings.shards_held {
             if held < self.shards_held {
-                shmem::wake_relays();
+                shared::wake_relays();
             }
             self.shards_held = held;
         }
@@ -318,12 +384,60 @@ impl Relay {
                 human(settings.lease)
             );
         }
+        if matches!(outcome, TickOutcome::Worked { claimed, .. } if claimed > 0) {
+            self.live_at = Some(Instant::now());
+        }
+        // A time share: while live traffic flows, replay rounds (short ones) alternate with at
+        // least as much time for live rounds, so a live event waits at most about one short
+        // replay round; without live traffic, a replay round follows every idle live round.
+        let replay_now = self.state.flight.is_none()
+            && shared::replay_requested()
+            && if self.live_recently() {
+                self.replayed_at.elapsed() >= self.replay_took.max(REPLAY_EVERY)
+            } else {
+                matches!(outcome, TickOutcome::Idle | TickOutcome::Worked { more: false, .. })
+                    || self.replayed_at.elapsed() >= REPLAY_EVERY
+            };
+        let next = self.live_outcome(outcome, &settings, poll, until_housekeeping);
+        if replay_now && next.is_none_or(|wait| !wait.is_zero()) && self.retry_at.is_none() {
+            return self.replay(&settings).or(next);
+        }
+        if self.state.flight.is_none() && self.retry_at.is_none() && shared::replay_requested() && self.live_recently()
+        {
+            // The replay's turn comes once live rounds have had their share: wake up for it.
+            let turn = self.replay_took.max(REPLAY_EVERY).saturating_sub(self.replayed_at.elapsed());
+            return next.map(|wait| wait.min(turn));
+        }
+        next
+    }
+
+    /// What a live round's outcome means for the relay: its health, its logs, and how long to wait
+    /// (None: go on at once).
+    fn live_outcome(
+        &mut self,
+        outcome: TickOutcome,
+        settings: &TickSettings,
+        poll: Duration,
+        until_housekeeping: Duration,
+    ) -> Option<Duration> {
         match outcome {
-            TickOutcome::Worked { claimed, rejected, dead_lettered, last_rejection, more, catching_up, .. } => {
-                self.recovered();
+            TickOutcome::Worked {
+                claimed,
+                rejected,
+                dead_lettered,
+                last_rejection,
+                more,
+                catching_up,
+                in_flight,
+                ..
+            } => {
+                // A round only sent says nothing yet about Redis: its landing will.
+                if claimed > 0 || !in_flight {
+                    self.recovered();
+                }
                 self.note_catching_up(catching_up);
                 if let Some(error) = last_rejection {
-                    shmem::set_last_error(&format!("Redis rejected {rejected} events: {error}"));
+                    shared::set_last_error(&format!("Redis rejected {rejected} events: {error}"));
                 }
                 if dead_lettered > 0 {
                     warning!(
@@ -362,6 +476,10 @@ impl Relay {
                 self.set_health(Health::ExtensionOutdated(installed));
                 Some(poll.max(Duration::from_secs(1)))
             }
+            TickOutcome::CopiedInstallation { original } => {
+                self.set_health(Health::Copied(original));
+                Some(poll.max(Duration::from_secs(1)))
+            }
             TickOutcome::BrokerDown { error, .. } => Some(self.failed(Health::BrokerDown(error.0))),
             TickOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),
         }
@@ -370,67 +488,43 @@ impl Relay {
     /// Frees the shards of relays that exited or hang, checks the age alert, applies retention.
     /// `Ok(true)` while there is anything to watch (undelivered events, tables being retired).
     fn housekeeping(&mut self) -> Result<bool, String> {
-        let Some(found) = tick::housekeeping(guc::lease_ms())? else {
-            return Ok(false);
+        let found = match housekeeping::housekeeping(&mut self.state, guc::lease_ms())? {
+            HousekeepingOutcome::Done(found) => found,
+            // Also while paused: a probe of a database without outbox_pg must not stay connected
+            // (holding a worker slot and a shared-memory entry) just because relaying is off.
+            HousekeepingOutcome::ExtensionMissing => {
+                self.extension_missing();
+                return Ok(false);
+            }
+            HousekeepingOutcome::NotReady => return Ok(false),
         };
+        self.extension_found();
         if found.reaped > 0 {
             // Free shards: the relays below their share take them at once, not at their next poll.
-            shmem::wake_relays();
+            shared::wake_relays();
             log!(
                 "outbox_pg: freed {} shards of a relay that exited or whose lease expired; the other relays take them over and publish what it had not finished",
                 found.reaped
             );
         }
-        for (slot, events, age) in claims::newly_expired(guc::lease()) {
+        for (slot, events, age) in in_flight::newly_expired(guc::lease()) {
             log!(
                 "outbox_pg: relay {slot} has held its claim of {events} events for {} without finishing it, longer than outbox.lease ({}); other relays publish them again",
                 human(age),
                 human(guc::lease())
             );
         }
-        self.check_alert(found.oldest_pending_age);
-
-        let mut purged = 0;
-        if let Some(retention_s) = guc::retention_s() {
-            purged = tick::retention(retention_s)?;
+        self.health.check_alert(found.oldest_pending_age);
+        if found.replays_running {
+            shared::request_replay();
         }
+        if found.repairs_running && guc::replay_on_loss() {
+            // Also after a crash restart emptied shared memory: the gate closes for every relay.
+            shared::raise_repairs();
+        }
+
+        let purged = housekeeping::retention(guc::retention_s())?;
         Ok(found.oldest_pending_age.is_some() || found.reaped > 0 || purged > 0)
-    }
-
-    /// Logs a WARNING when the oldest pending event crosses `outbox.alert_age` (then once a minute
-    /// while it stays above), and a LOG line when it is back below.
-    fn check_alert(&mut self, oldest_pending_age: Option<Duration>) {
-        let Some(threshold) = guc::alert_age() else {
-            shmem::set_alert_logged(false);
-            return;
-        };
-        let above = oldest_pending_age.filter(|age| *age >= threshold);
-        match (above, shmem::alert_logged_at()) {
-            (Some(age), last) if last.is_none_or(|since| since >= ALERT_REPEAT) => {
-                warning!(
-                    "outbox_pg: oldest pending event is {} old, above outbox.alert_age ({}); the relay is {}",
-                    human(age),
-                    human(threshold),
-                    match &self.health {
-                        Health::Disabled => "paused (outbox.enabled = off)".to_string(),
-                        Health::BrokerDown(error) => format!("failing to reach Redis: {error}"),
-                        Health::DatabaseError(error) => format!("failing: {error}"),
-                        Health::ExtensionOutdated(_) => "waiting for ALTER EXTENSION outbox_pg UPDATE".to_string(),
-                        Health::Healthy => "running; check failed events and per-aggregate backlogs".to_string(),
-                    }
-                );
-                shmem::set_alert_logged(true);
-            }
-            (None, Some(_)) => {
-                log!(
-                    "outbox_pg: oldest pending event is {} old, below outbox.alert_age ({}) again; alert cleared",
-                    oldest_pending_age.map(human).unwrap_or_else(|| "0s (none pending)".into()),
-                    human(threshold)
-                );
-                shmem::set_alert_logged(false);
-            }
-            _ => {}
-        }
     }
 
     /// Logs when the relay starts reading a backlog window by window (a shard more than a second
@@ -463,7 +557,7 @@ impl Relay {
             return;
         }
         self.found_extension = true;
-        let _ = shmem::set_extension_state(ExtensionState::Present);
+        let _ = shared::set_extension_state(ExtensionState::Present);
         log!(
             "outbox_pg relay {} started: database \"{}\", Redis at {}",
             self.slot,
@@ -478,7 +572,7 @@ impl Relay {
     /// No outbox_pg in this database (never, or dropped): tell the launcher and exit. A probe of a
     /// database nobody asked for stays quiet; one that `outbox.databases` names is worth a line.
     fn extension_missing(&mut self) {
-        let before = shmem::set_extension_state(ExtensionState::Missing);
+        let before = shared::set_extension_state(ExtensionState::Missing);
         if self.found_extension {
             if before == ExtensionState::Present {
                 log!(
@@ -497,65 +591,115 @@ impl Relay {
         self.exit = true;
     }
 
+    /// Whether live rounds published something lately (live traffic flows).
+    fn live_recently(&self) -> bool {
+        !self.repairing && self.live_at.is_some_and(|at| at.elapsed() < LIVE_RECENTLY)
+    }
+
+    /// Runs one replay round (src/relay/replay.rs) between live rounds; how long to wait after it
+    /// (Some(0): go on at once), or None when there was nothing to replay.
+    fn replay(&mut self, settings: &TickSettings) -> Option<Duration> {
+        let limits = if self.live_recently() { replay::Limits::LIVE } else { replay::Limits::IDLE };
+        let started = Instant::now();
+        let outcome = replay::replay_round(&mut self.sink, settings, &mut self.state, limits);
+        self.replayed_at = Instant::now();
+        self.replay_took = started.elapsed();
+        if self.report_losses() && guc::replay_on_loss() {
+            self.repairing = true;
+        }
+        match outcome {
+            ReplayOutcome::Nothing => {
+                shared::replays_done();
+                None
+            }
+            // Throttled, or another relay's: look again soon (commits still wake the relay).
+            ReplayOutcome::Waiting => Some(REPLAY_EVERY),
+            ReplayOutcome::Ran { id, refused, done, .. } => {
+                if done {
+                    log!("outbox_pg: replay {id} is done (outbox.replays)");
+                }
+                if refused > 0 {
+                    shared::set_last_error(&format!("Redis refused {refused} events of replay {id} (outbox.replays)"));
+                }
+                Some(Duration::ZERO)
+            }
+            ReplayOutcome::BrokerDown(error) => Some(self.failed(Health::BrokerDown(error.0))),
+            ReplayOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),
+        }
+    }
+
+    /// The stream marks: those earlier relays stored, loaded before this relay's first round; its
+    /// own stored when they moved, at most once a second, so that a relay started anew knows
+    /// them.
+    fn keep_marks(&mut self) -> Result<(), String> {
+        let target = self.sink.marks_target();
+        if self.marks_loaded.as_deref() != Some(target.as_str()) {
+            // At start, and after a reload pointed the relay at another Redis (or database).
+            self.sink.adopt_marks(losses::stored_marks(target.clone())?);
+            self.marks_loaded = Some(target.clone());
+        }
+        if self.marks_stored_at.elapsed() >= MARKS_STORED_EVERY {
+            self.marks_stored_at = Instant::now();
+            losses::store_marks(target.clone(), self.sink.take_dirty_marks())?;
+        }
+        if self.marks_pruned_at.elapsed() >= MARKS_PRUNED_EVERY {
+            self.marks_pruned_at = Instant::now();
+            losses::prune_marks(target, guc::retention_s())?;
+            let forgotten = self.sink.marks_forgotten();
+            if forgotten > self.marks_forgotten_logged {
+                self.marks_forgotten_logged = forgotten;
+                log!(
+                    "outbox_pg: relay {} writes to more than {MAX_STREAMS} streams: losses are noticed only in the {MAX_STREAMS} written to most recently ({forgotten} streams forgotten so far)",
+                    self.slot
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Records and logs the losses the sink's checks found (src/relay/losses.rs); whether there
+    /// were any.
+    fn report_losses(&mut self) -> bool {
+        if let Some(refused) = self.sink.check_refused.as_mut().filter(|refused| !refused.is_empty()) {
+            log!(
+                "outbox_pg: the relay's Redis user may not run XINFO STREAM ({refused}): lost entries cannot be noticed; grant it +xinfo|stream"
+            );
+            // Logged once: the empty text still turns the checks off.
+            refused.clear();
+        }
+        let found = self.sink.take_losses();
+        if found.is_empty() {
+            return false;
+        }
+        if let Err(error) = losses::report(self.sink.marks_target(), found, guc::replay_on_loss()) {
+            warning!("outbox_pg: could not record lost Redis entries: {error}");
+        }
+        true
+    }
+
+    /// Lands a round left in flight (src/relay/round.rs, `tick`) before the relay pauses, changes
+    /// its Redis or exits: its replies are read and it is finished, so that nothing it published
+    /// is published again, and nothing waits on a round nobody lands.
+    fn land_in_flight(&mut self) {
+        match round::land_in_flight(&mut self.sink, &mut self.state) {
+            Some(TickOutcome::BrokerDown { error, .. }) => {
+                self.failed(Health::BrokerDown(error.0));
+            }
+            Some(TickOutcome::DatabaseError(error)) => {
+                self.failed(Health::DatabaseError(error));
+            }
+            _ => {}
+        }
+    }
+
+    fn set_health(&mut self, health: Health) {
+        let sink = &self.sink;
+        self.health.set(health, || sink.describe(), self.backoff.failures(), &self.database);
+    }
+
     fn recovered(&mut self) {
         self.set_health(Health::Healthy);
         self.backoff.reset();
-    }
-
-    /// Logs transitions only: a Redis outage produces one WARNING when it starts and one LOG when
-    /// it ends, however many retries happen in between.
-    fn set_health(&mut self, health: Health) {
-        if let Health::BrokerDown(error) | Health::DatabaseError(error) = &health {
-            shmem::set_last_error(error);
-        }
-        // One state per kind of trouble: a Redis going from "connection reset" to "connection
-        // refused" is still the same outage; another Redis failing is a new one. Checked before
-        // describing the target, since every healthy round passes through here.
-        let same_kind = std::mem::discriminant(&health) == std::mem::discriminant(&self.health);
-        let outage = matches!(health, Health::BrokerDown(_));
-        if same_kind && !outage {
-            return;
-        }
-        let target = self.sink.describe();
-        if same_kind && self.outage_target.as_deref() == Some(target.as_str()) {
-            return;
-        }
-        self.outage_target = outage.then(|| target.clone());
-        match &health {
-            Health::Healthy => match &self.health {
-                Health::BrokerDown(_) => log!(
-                    "outbox_pg: publishing to Redis at {target} again after {} failed attempts",
-                    self.backoff.failures()
-                ),
-                Health::ExtensionOutdated(_) => log!(
-                    "outbox_pg: extension outbox_pg is at version {} in database \"{}\"; relaying",
-                    tick::LIBRARY_VERSION,
-                    self.database
-                ),
-                Health::DatabaseError(_) => log!("outbox_pg: database statements succeed again"),
-                Health::Disabled => log!("outbox_pg: outbox.enabled is on; relaying"),
-                Health::Healthy => {}
-            },
-            Health::BrokerDown(error) => warning!(
-                "outbox_pg: cannot publish to Redis at {target}: {error}; events stay pending and are retried with backoff"
-            ),
-            Health::DatabaseError(error) => {
-                warning!("outbox_pg: relay statement failed: {error}; retrying with backoff")
-            }
-            Health::ExtensionOutdated(installed) => {
-                let problem = format!(
-                    "database \"{}\" has extension outbox_pg {installed} but the server runs library {}",
-                    self.database,
-                    tick::LIBRARY_VERSION
-                );
-                shmem::set_last_error(&problem);
-                warning!(
-                    "outbox_pg: {problem}; the relay waits, events stay pending (none is lost); run ALTER EXTENSION outbox_pg UPDATE in that database"
-                )
-            }
-            Health::Disabled => log!("outbox_pg: outbox.enabled is off; the relay is paused, events stay pending"),
-        }
-        self.health = health;
     }
 }
 
@@ -571,26 +715,6 @@ fn current_database() -> String {
     }
 }
 
-/// The settings PostgreSQL applied at connection from pg_db_role_setting (`ALTER DATABASE ...
-/// SET`, `ALTER ROLE ... [IN DATABASE ...] SET`), as one comparable text (inside a transaction).
-fn own_settings() -> String {
-    const QUERY: &str = "SELECT coalesce(string_agg(setconfig::text, ';' ORDER BY setdatabase, setrole), '')
-                           FROM pg_db_role_setting
-                          WHERE setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
-                            AND setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = session_user))";
-    Spi::get_one::<String>(QUERY).ok().flatten().unwrap_or_default()
-}
-
-/// A duration as an operator reads it: `42.0s`, `7m 5s`, `2h 3m`.
-fn human(duration: Duration) -> String {
-    let secs = duration.as_secs();
-    match secs {
-        0..60 => format!("{:.1}s", duration.as_secs_f64()),
-        60..3600 => format!("{}m {}s", secs / 60, secs % 60),
-        _ => format!("{}h {}m", secs / 3600, (secs % 3600) / 60),
-    }
-}
-
 /// Whether the relay was asked to stop (SIGTERM: `pg_terminate_backend`, shutdown, the launcher).
 /// pgrx's flag is cleared when read; this one stays set once seen, so that every place that asks
 /// gets the same answer.
@@ -602,55 +726,6 @@ fn stop_requested() -> bool {
     STOPPING.load(std::sync::atomic::Ordering::SeqCst)
 }
 
-/// Settings that work but give up part of a guarantee, logged at start and after each reload, by
-/// relay 0 only. A lease must outlive a round: while a relay waits on Redis, its shards' lease has
-/// to stay valid, or other relays take them over and publish the same events a second time. A round
-/// can wait on Redis for up to `outbox.redis_timeout` (the connect, then the exchange), so a lease
-/// shorter than twice that produces duplicates under a slow Redis. And behind Sentinel or Cluster,
-/// only `outbox.redis_wait_replicas` makes a failover lose nothing.
-fn warn_about_settings() {
-    let (lease, timeout) = (guc::lease(), guc::redis_timeout());
-    if let Some(reason) = lease_problem(lease, timeout) {
-        warning!("outbox_pg: {reason}");
-    }
-    if guc::redis_mode() != guc::RedisMode::Standalone && guc::redis_wait_replicas() == 0 {
-        warning!(
-            "outbox_pg: outbox.redis_mode is {} and outbox.redis_wait_replicas is 0: Redis replicates asynchronously, so a \
-             failover can lose the entries the old master acknowledged last; set outbox.redis_wait_replicas = 1",
-            if guc::redis_mode() == guc::RedisMode::Cluster { "cluster" } else { "sentinel" }
-        );
-    }
-}
-
-/// Why `lease` is too short for `redis_timeout`, if it is.
-fn lease_problem(lease: Duration, redis_timeout: Duration) -> Option<String> {
-    (lease < redis_timeout * 2).then(|| {
-        format!(
-            "outbox.lease ({}) is shorter than twice outbox.redis_timeout ({}): a relay waiting on a slow Redis \
-             loses its claim and others publish the same events again; set outbox.lease to at least {}",
-            human(lease),
-            human(redis_timeout),
-            human(redis_timeout * 2)
-        )
-    })
-}
-
-fn redis_config() -> RedisConfig {
-    RedisConfig {
-        url: guc::redis_url(),
-        mode: guc::redis_mode(),
-        sentinel_master: guc::redis_sentinel_master(),
-        password_file: guc::redis_password_file(),
-        timeout: guc::redis_timeout(),
-        wait_replicas: guc::redis_wait_replicas(),
-        tls: TlsFiles {
-            ca_file: guc::redis_tls_ca_file(),
-            cert_file: guc::redis_tls_cert_file(),
-            key_file: guc::redis_tls_key_file(),
-        },
-    }
-}
-
 fn seed() -> u64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -658,39 +733,6 @@ fn seed() -> u64 {
         .unwrap_or_default();
     // SAFETY: MyProcPid is set for every backend.
     nanos ^ (unsafe { pg_sys::MyProcPid } as u64).rotate_left(32)
-}
-
-/// `outbox.log_min_duration`: one LOG line for a round that took at least that long, with the time
-/// of each phase, so that a stall can be placed (the database, Redis, or settling). Failed rounds
-/// are left out: an outage is reported once by its WARNING, not once per retry.
-fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
-    let Some(threshold) = guc::log_min_duration() else {
-        return;
-    };
-    if timings.total() < threshold {
-        return;
-    }
-    let events = match outcome {
-        TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
-        TickOutcome::Idle => "nothing pending".to_string(),
-        TickOutcome::SteppedOver => "a lagging shard stepped over an empty window".to_string(),
-        TickOutcome::BrokerDown { .. }
-        | TickOutcome::ExtensionMissing
-        | TickOutcome::ExtensionOutdated { .. }
-        | TickOutcome::DatabaseError(_) => return,
-    };
-    log!(
-        "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",
-        millis(timings.total()),
-        millis(timings.claim),
-        millis(timings.publish),
-        millis(timings.settle),
-        millis(threshold)
-    );
-}
-
-fn millis(duration: Duration) -> String {
-    format!("{:.1} ms", duration.as_secs_f64() * 1000.0)
 }
 
 /// Shows what the relay is doing in `pg_stat_activity` (state and query).
@@ -707,23 +749,14 @@ fn report_activity(publishing: bool) {
 #[pg_guard]
 unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
     // Its unsettled events are pending: the others may claim them at once.
-    claims::clear(slot.value());
-    shmem::unregister_relay(slot.value());
+    in_flight::clear(slot.value());
+    shared::unregister_relay(slot.value());
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{coalesce_window, human, COALESCE_MAX, COALESCE_MIN};
+    use super::{coalesce_window, COALESCE_MAX, COALESCE_MIN};
     use std::time::Duration;
-
-    #[test]
-    fn a_lease_shorter_than_two_redis_timeouts_is_reported() {
-        let second = Duration::from_secs(1);
-        assert!(super::lease_problem(second * 30, second * 5).is_none());
-        assert!(super::lease_problem(second * 10, second * 5).is_none());
-        let problem = super::lease_problem(second * 9, second * 5).unwrap();
-        assert!(problem.contains("outbox.lease (9.0s)") && problem.contains("at least 10.0s"), "{problem}");
-    }
 
     #[test]
     fn the_pause_between_rounds_grows_with_their_size_within_bounds() {
@@ -732,12 +765,5 @@ mod tests {
         assert_eq!(coalesce_window(6), Duration::from_micros(1500));
         assert_eq!(coalesce_window(1000), COALESCE_MAX);
         assert_eq!(coalesce_window(usize::MAX), COALESCE_MAX);
-    }
-
-    #[test]
-    fn durations_read_like_an_operator_writes_them() {
-        assert_eq!(human(Duration::from_millis(42_300)), "42.3s");
-        assert_eq!(human(Duration::from_secs(7 * 60 + 5)), "7m 5s");
-        assert_eq!(human(Duration::from_secs(2 * 3600 + 3 * 60 + 9)), "2h 3m");
     }
 }

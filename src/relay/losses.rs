@@ -1,0 +1,177 @@
+//! What a relay does about entries Redis lost (src/sink/marks.rs finds them): it stores its
+//! stream marks now and then so that a relay started anew still knows them, records each loss once
+//! (`outbox.redis_losses`, shown in `outbox.stats.redis_data_loss`), logs a WARNING naming the
+//! stream, what may be missing and the call that repairs it, and, with `outbox.replay_on_loss`,
+//! asks for that replay itself.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use std::panic::AssertUnwindSafe;
+
+use pgrx::prelude::*;
+
+use crate::log::datums::timestamptz_text;
+use crate::relay::readiness::{readiness, Readiness};
+use crate::relay::state::RoundState;
+use crate::relay::txn;
+use crate::sink::marks::{Loss, Mark, MAX_STREAMS};
+use crate::sink::StreamId;
+
+const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
+const STORED: &str = "SELECT stream, last_ms, last_seq, (extract(epoch FROM written_at) * 1000000)::bigint \
+                      FROM outbox.stream_marks WHERE target = $1 ORDER BY written_at DESC LIMIT $2";
+const REPORT: &str = "SELECT id, stream FROM outbox._report_losses($1, $2, $3::timestamptz[], $4)";
+const REPAIR: &str = "SELECT loss, replay FROM outbox.repair_losses($1)";
+/// A lost stream's stored mark goes: a relay started later must not find the same loss again.
+/// Marks at or below what was lost only: another relay may have stored a later one since.
+const FORGET: &str =
+    "DELETE FROM outbox.stream_marks m USING unnest($2::text[], $3::bigint[], $4::bigint[]) AS l(stream, ms, seq) \
+                      WHERE m.target = $1 AND m.stream = l.stream AND (m.last_ms, m.last_seq) <= (l.ms, l.seq)";
+/// The marks of `target` beyond the `$2` written to most recently (the relays check no more),
+/// and, with `outbox.retention`, those of any Redis not written to for longer than it.
+const PRUNE: &str = "DELETE FROM outbox.stream_marks m WHERE \
+                       (m.target = $1 AND m.written_at < (SELECT k.written_at FROM outbox.stream_marks k WHERE k.target = $1 \
+                                                          ORDER BY k.written_at DESC OFFSET $2 - 1 LIMIT 1)) \
+                       OR m.written_at < now() - $3 * interval '1 second'";
+pub const REPAIRS_RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.redis_losses l \
+                                   JOIN outbox.replay_requests r ON r.id = l.replay_id WHERE r.state = 'running')";
+
+/// Whether a replay that repairs a loss still runs (false where the relay may not run its
+/// statements: no extension, another version).
+pub fn repairs_running(state: &mut RoundState) -> Result<bool, String> {
+    let state = AssertUnwindSafe(state);
+    txn::run(move || {
+        let mut state = state;
+        match readiness(&mut state)? {
+            Readiness::Ready(_) => Spi::get_one::<bool>(REPAIRS_RUNNING).map(|running| running.unwrap_or(false)),
+            _ => Ok(false),
+        }
+    })
+}
+
+/// Deletes the marks `outbox.stream_marks` need not keep (`PRUNE`); how many.
+pub fn prune_marks(target: String, retention_s: Option<i32>) -> Result<u64, String> {
+    txn::run(move || {
+        Spi::connect_mut(|client| {
+            let args = [target.into(), (MAX_STREAMS as i64).into(), retention_s.into()];
+            client.update(PRUNE, None, &args).map(|deleted| deleted.len() as u64)
+        })
+    })
+}
+
+/// Microseconds since 1970 of a time, for `timestamptz_text` (which counts from 2000).
+fn postgres_us(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64) - 946_684_800_000_000
+}
+
+/// Stores marks that moved (the later of each is kept), for the Redis `target` names.
+pub fn store_marks(target: String, marks: Vec<(String, Mark)>) -> Result<(), String> {
+    if marks.is_empty() {
+        return Ok(());
+    }
+    let streams: Vec<String> = marks.iter().map(|(s, _)| s.clone()).collect();
+    let ms: Vec<i64> = marks.iter().map(|(_, m)| m.id.ms as i64).collect();
+    let seqs: Vec<i64> = marks.iter().map(|(_, m)| m.id.seq as i64).collect();
+    let at: Vec<String> = marks.iter().map(|(_, m)| timestamptz_text(postgres_us(m.written_at))).collect();
+    txn::run(move || Spi::run_with_args(STORE, &[target.into(), streams.into(), ms.into(), seqs.into(), at.into()]))
+}
+
+/// The marks stored for the Redis `target` names, the most recently written first.
+pub fn stored_marks(target: String) -> Result<Vec<(String, Mark)>, String> {
+    txn::run(move || {
+        Spi::connect(|client| {
+            let mut marks = Vec::new();
+            for row in client.select(STORED, None, &[target.clone().into(), (MAX_STREAMS as i64).into()])? {
+                let stream = row.get::<String>(1)?.unwrap_or_default();
+                let id = StreamId {
+                    ms: row.get::<i64>(2)?.unwrap_or_default().max(0) as u64,
+                    seq: row.get::<i64>(3)?.unwrap_or_default().max(0) as u64,
+                };
+                let unix_us = row.get::<i64>(4)?.unwrap_or_default().max(0) as u64;
+                marks.push((stream, Mark { id, written_at: UNIX_EPOCH + Duration::from_micros(unix_us) }));
+            }
+            Ok::<_, pgrx::spi::Error>(marks)
+        })
+    })
+}
+
+/// Records losses (each once, whichever relay finds it first), forgets the lost streams' stored
+/// marks of `target`, logs each new loss, and with `replay` asks for the replay that repairs it.
+/// The transaction commits synchronously: the WARNING names loss ids that a crash cannot discard.
+pub fn report(target: String, losses: Vec<Loss>, replay: bool) -> Result<(), String> {
+    let lost_streams: Vec<String> = losses.iter().map(|l| l.stream.clone()).collect();
+    let lost_ms: Vec<i64> = losses.iter().map(|l| l.expected.id.ms as i64).collect();
+    let lost_seq: Vec<i64> = losses.iter().map(|l| l.expected.id.seq as i64).collect();
+    let streams: Vec<String> = losses.iter().map(|l| l.stream.clone()).collect();
+    let expected: Vec<String> = losses.iter().map(|l| l.expected.id.to_string()).collect();
+    let expected_at: Vec<String> =
+        losses.iter().map(|l| timestamptz_text(postgres_us(l.expected.written_at))).collect();
+    // A stream deleted and written to again lost everything before: recorded as gone, so that
+    // its repair replays every retained event of it.
+    let found: Vec<Option<String>> =
+        losses.iter().map(|l| l.found.filter(|_| !l.recreated).map(|id| id.to_string())).collect();
+    let recorded: Vec<(i64, String, Option<i64>)> = txn::run(move || {
+        Spi::connect_mut(|client| {
+            client.update("SET LOCAL synchronous_commit = on", None, &[])?;
+            client.update(FORGET, None, &[target.into(), lost_streams.into(), lost_ms.into(), lost_seq.into()])?;
+            let mut recorded = Vec::new();
+            for row in
+                client.update(REPORT, None, &[streams.into(), expected.into(), expected_at.into(), found.into()])?
+            {
+                recorded.push((
+                    row.get::<i64>(1)?.unwrap_or_default(),
+                    row.get::<String>(2)?.unwrap_or_default(),
+                    None,
+                ));
+            }
+            if replay && !recorded.is_empty() {
+                let ids: Vec<i64> = recorded.iter().map(|(id, ..)| *id).collect();
+                for row in client.update(REPAIR, None, &[ids.into()])? {
+                    let (loss, replay) = (row.get::<i64>(1)?, row.get::<i64>(2)?);
+                    if let Some(entry) = recorded.iter_mut().find(|(id, ..)| Some(*id) == loss) {
+                        entry.2 = replay;
+                    }
+                }
+            }
+            Ok::<_, pgrx::spi::Error>(recorded)
+        })
+    })?;
+    if recorded.iter().any(|(_, _, replay)| replay.is_some()) {
+        // Committed: every relay of the database waits for the repair before its next live round.
+        crate::shared::raise_repairs();
+    }
+    for (id, stream, replay) in recorded {
+        let Some(loss) = losses.iter().find(|l| l.stream == stream) else { continue };
+        let expected_at = timestamptz_text(postgres_us(loss.expected.written_at));
+        let what = match loss.found {
+            Some(_) if loss.recreated => format!(
+                "it was deleted and written to again (an entry it had, neither trimmed nor removed with XDEL, is gone, or \
+                 it added fewer entries than were written to it), while the relay had written up to entry {} at {expected_at}: every event published to it may be missing",
+                loss.expected.id
+            ),
+            Some(found) => format!(
+                "it now ends at entry {found} (written at {}), while the relay had written up to {} at {expected_at}: \
+                 the events published to it after {} may be missing",
+                timestamptz_text(found.ms as i64 * 1000 - 946_684_800_000_000),
+                loss.expected.id,
+                timestamptz_text(found.ms as i64 * 1000 - 946_684_800_000_000)
+            ),
+            None => format!(
+                "it no longer exists, while the relay had written up to entry {} at {expected_at}: every event \
+                 published to it may be missing",
+                loss.expected.id
+            ),
+        };
+        match replay {
+            Some(replay) => warning!(
+                "outbox_pg: Redis lost entries of stream \"{stream}\" (outbox.redis_losses id {id}): {what}; replaying them \
+                 (outbox.replay_on_loss), see outbox.replays id {replay}"
+            ),
+            None => warning!(
+                "outbox_pg: Redis lost entries of stream \"{stream}\" (outbox.redis_losses id {id}): {what}; repair with \
+                 SELECT outbox.repair_losses(ARRAY[{id}])"
+            ),
+        }
+    }
+    Ok(())
+}

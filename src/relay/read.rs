@@ -1,0 +1,386 @@
+//! The first part of a round: claim this relay's shards (or keep the last claim) and read what the
+//! round publishes: each shard's window, or its next part (src/log/window.rs), the failure path's
+//! due events, and the counters of the round's aggregates. One short transaction, which writes only
+//! when shards change hands.
+
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use pgrx::prelude::*;
+use pgrx::{PgBuiltInOids, PgOid};
+
+use crate::log::counters;
+use crate::log::window::{read_shard, Budget, Snapshot};
+use crate::relay::readiness::{readiness, Readiness};
+use crate::relay::round::{Map, Set, TickSettings};
+use crate::relay::state::{RoundState, Statement};
+use crate::relay::txn;
+use crate::shared;
+use crate::sink::entry::{OutboxEvent, TraceContext};
+
+const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded, window_max_id, window_last_id \
+                     FROM outbox._claim_shards($1, $2, $3)";
+const HELD_DUE: &str =
+    "SELECT id, event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, headers, \
+                        stream, created_at FROM outbox._held_due($1, $2, $3)";
+const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
+
+/// The argument types of CLAIM (HELD takes its first: the relay's pid).
+const CLAIM_TYPES: [PgOid; 3] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID); 3];
+
+/// What a round on a kept claim reads instead of claiming: the shards this relay holds, their
+/// cursors, and the snapshot of now, taken after the commit flags (the statement's own snapshot),
+/// like the claim's.
+const HELD: &str = "SELECT s.shard, s.cursor::text, coalesce(s.window_upto, pg_catalog.pg_current_snapshot())::text, \
+                           s.window_max_id, s.window_last_id \
+                      FROM outbox.shards s WHERE s.claimed_by = $1 ORDER BY s.shard";
+
+/// An idle shard's cursor is moved on this often, so that retention can see it has consumed a
+/// closed table; a shard with events moves at every batch.
+const IDLE_CURSOR_MOVE: Duration = Duration::from_secs(10);
+
+/// One shard's part of a round.
+#[derive(Debug, Clone)]
+pub struct ShardBatch {
+    pub shard: i16,
+    /// The cursor to store when the batch is finished.
+    pub next_cursor: String,
+    /// For a window published in parts and not finished by this round: its end and the position
+    /// reached (src/log/window.rs).
+    pub window: Option<(String, (i64, i64))>,
+    /// Whether the cursor is stored at all: a shard with no events moves only now and then.
+    pub advance: bool,
+}
+
+/// A shard as the claim (or a kept claim) gives it to a round.
+struct Claimed {
+    shard: i16,
+    cursor: String,
+    /// How long ago the cursor moved (0 on a kept claim).
+    age_ms: i64,
+    /// What the window reads up to: the end of a window published in parts, now, or a recorded
+    /// snapshot.
+    upto: String,
+    /// `upto` is a recorded snapshot: the shard lags, more follows.
+    bounded: bool,
+    /// The position reached in a window published in parts.
+    position: Option<(i64, i64)>,
+}
+
+/// A window's position from its two columns (both NULL: no window in parts).
+fn position(max_id: Option<i64>, last_id: Option<i64>) -> Option<(i64, i64)> {
+    max_id.zip(last_id)
+}
+
+/// What a round read.
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub installation: pg_sys::Oid,
+    pub shards: Vec<ShardBatch>,
+    /// From the log, in publish order (src/log/window.rs), each with its `aggregate_seq` assigned.
+    pub events: Vec<OutboxEvent>,
+    /// Their aggregates' counters after the batch: (type, id, last_seq, whether the read found
+    /// the counter: the finish upserts those and plain-INSERTs the others).
+    pub counters: Vec<(String, String, i64, bool)>,
+    /// Of `events`, the ids of those whose aggregate has events on the failure path: they go there
+    /// too, behind them, without being sent.
+    pub diverted: Set<i64>,
+    /// From the failure path, due now (aggregate_seq stored with them).
+    pub held_due: Vec<OutboxEvent>,
+    /// More is due than this round takes (the failure path's batch was full, or a lagging shard
+    /// read up to a recorded snapshot): go again at once.
+    pub more: bool,
+    /// A shard read up to a recorded snapshot (it is more than a second behind).
+    pub catching_up: bool,
+    /// The commit flags this read took: a read that is thrown away gives them back
+    /// (`give_back`), or the commits they stand for would wait for the next full read.
+    pub flags_taken: u32,
+}
+
+impl Batch {
+    /// Throws away a batch that will not be published (read while another round was in flight,
+    /// which then did not finish cleanly): its commit flags go back, so that the next read
+    /// reads those shards again.
+    pub fn give_back(self) {
+        if self.flags_taken != 0 {
+            shared::mark_shards_committed(self.flags_taken);
+        }
+    }
+}
+
+/// What a read found.
+pub enum Read {
+    Batch(Batch),
+    /// The extension is missing, at another version, or a copy.
+    NotReady(Readiness),
+    /// A read after a round in flight (`read_round`'s `after`) needs a kept claim, and there is
+    /// none now: read again once that round is finished.
+    Postponed,
+}
+
+/// An event of the failure path: (id, event_id, aggregate_type, aggregate_id, aggregate_seq,
+/// event_type, payload, headers, stream, created_at), as outbox._held_due returns it.
+fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
+    let headers = row.get::<String>(8)?;
+    Ok(OutboxEvent {
+        id: row.get::<i64>(1)?.unwrap_or_default(),
+        event_id: row.get::<String>(2)?.unwrap_or_default(),
+        aggregate_type: row.get::<String>(3)?.unwrap_or_default(),
+        aggregate_id: row.get::<String>(4)?.unwrap_or_default(),
+        aggregate_seq: row.get::<i64>(5)?.unwrap_or_default(),
+        event_type: row.get::<String>(6)?.unwrap_or_default(),
+        payload: row.get::<String>(7)?.unwrap_or_default(),
+        trace: TraceContext::from_headers(headers.as_deref()),
+        headers,
+        stream: row.get::<String>(9)?,
+        created_at: row.get::<String>(10)?.unwrap_or_default(),
+        replay: None,
+    })
+}
+
+/// Which shards a round reads outside a full read, and which commit flags it gives back, from the
+/// shards held last round (`held_before`), their flags taken before the claim (`flagged_before`)
+/// and the shards held now (`mine`): the flagged ones still held, and every shard newly taken
+/// (its flags may have been taken by its previous holder); the flags of shards given up go back
+/// for their new holder.
+pub fn shards_to_read(held_before: u32, flagged_before: u32, mine: u32) -> (u32, u32) {
+    ((flagged_before & mine) | (mine & !held_before), flagged_before & !mine)
+}
+
+/// Claims this relay's shards and reads a round: each shard's whole window (every event committed
+/// between its cursor and the claim's snapshot, or, for a shard more than a second behind, the
+/// next recorded snapshot, as much of it as a round takes; see "Rounds are bounded" and
+/// "Catching up" in docs/worker.md), the failure path's due events, and what the batch's
+/// aggregates need (counters, whether they have events waiting on the failure path). Writes only
+/// when shards change hands.
+///
+/// `after`: a round sent to Redis whose finish has not run yet. This read then reads on from where
+/// that round leaves its shards (their next cursors and window positions) and numbers on from its
+/// counters, as if it had finished; it runs only on a kept claim (nothing changes hands, no
+/// failure path: that round had nothing held), else it is `Postponed`. Whoever reads it publishes
+/// it only if that round finishes cleanly, and gives it back otherwise.
+pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option<&Batch>) -> Result<Read, String> {
+    let settings = settings.clone();
+    let state = AssertUnwindSafe(state);
+    let after = AssertUnwindSafe(after);
+    txn::run(move || -> Result<Read, pgrx::spi::Error> {
+        let mut state = state;
+        let state: &mut RoundState = &mut state;
+        let after: Option<&Batch> = *after;
+        let installation = match readiness(state)? {
+            Readiness::Ready(oid) => oid,
+            other => return Ok(Read::NotReady(other)),
+        };
+        if after.is_some_and(|after| after.installation != installation)
+            || (after.is_some() && state.kept_claim(installation, settings.share, settings.lease, false).is_none())
+        {
+            return Ok(Read::Postponed);
+        }
+        Spi::connect_mut(|client| {
+            let mut batch = Batch { installation, ..Batch::default() };
+            let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
+            let mut held_any = false;
+            // The commit flags of the shards held last round, taken before the claim's snapshot:
+            // a commit that flagged one of them was visible before it, so its events are in this
+            // round's window. (Taken after, a commit between the two was flagged, taken, and not
+            // yet in the window: its events then waited for the next full read.)
+            let held_before = state.held_shards;
+            let flagged_before = shared::take_committed_shards(held_before);
+            batch.flags_taken = flagged_before;
+            let mut claimed: Vec<Claimed> = Vec::new();
+            let full_read = settings.full_read && after.is_none();
+            if let Some(kept) = state.kept_claim(installation, settings.share, settings.lease, full_read) {
+                // Nothing changes hands and the lease is fresh: only the cursors and "now" are
+                // read, and only if the shards are still exactly the kept ones.
+                for row in client.select(
+                    state.statements.get(client, Statement::Held, HELD, &CLAIM_TYPES[..1])?,
+                    None,
+                    &[settings.pid.into()],
+                )? {
+                    claimed.push(Claimed {
+                        shard: row.get::<i16>(1)?.unwrap_or_default(),
+                        cursor: row.get::<String>(2)?.unwrap_or_default(),
+                        age_ms: 0,
+                        upto: row.get::<String>(3)?.unwrap_or_default(),
+                        bounded: false,
+                        position: position(row.get::<i64>(4)?, row.get::<i64>(5)?),
+                    });
+                }
+                if !claimed.iter().map(|c| c.shard).eq(kept.iter().copied()) {
+                    state.forget_kept_claim();
+                    claimed.clear();
+                }
+            }
+            if let Some(after) = after {
+                if claimed.is_empty() {
+                    // The shards changed hands meanwhile: read after that round has finished.
+                    batch.give_back();
+                    return Ok(Read::Postponed);
+                }
+                // Where that round leaves its shards, once it finishes.
+                for c in &mut claimed {
+                    if let Some(left) = after.shards.iter().find(|s| s.shard == c.shard && s.advance) {
+                        c.cursor = left.next_cursor.clone();
+                        match &left.window {
+                            Some((upto, position)) => {
+                                c.upto = upto.clone();
+                                c.position = Some(*position);
+                            }
+                            None => c.position = None,
+                        }
+                    }
+                }
+            }
+            if claimed.is_empty() {
+                for row in client.update(
+                    state.statements.get(client, Statement::Claim, CLAIM, &CLAIM_TYPES)?,
+                    None,
+                    &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()],
+                )? {
+                    claimed.push(Claimed {
+                        shard: row.get::<i16>(1)?.unwrap_or_default(),
+                        cursor: row.get::<String>(2)?.unwrap_or_default(),
+                        age_ms: row.get::<i64>(3)?.unwrap_or_default(),
+                        // The end of the window being published in parts; or now (taken after
+                        // the claim: the reads below see every transaction it shows as
+                        // committed), or a recorded snapshot for a lagging shard: then more
+                        // follows at once.
+                        upto: row.get::<String>(4)?.unwrap_or_default(),
+                        bounded: row.get::<bool>(6)?.unwrap_or(false),
+                        position: position(row.get::<i64>(7)?, row.get::<i64>(8)?),
+                    });
+                    held_any = row.get::<bool>(5)?.unwrap_or(true);
+                }
+                let keepable = !held_any && claimed.iter().all(|c| !c.bounded);
+                state.keep_claim(installation, settings.share, claimed.iter().map(|c| c.shard).collect(), keepable);
+            }
+            // Outside a full read, only the shards that commits flagged since the last round,
+            // those this relay did not hold then, and those publishing a window in parts.
+            let mine: u32 = claimed.iter().fold(0, |mask, c| mask | 1u32 << (c.shard as u32 % 32));
+            let (flagged, given_back) = shards_to_read(held_before, flagged_before, mine);
+            if given_back != 0 {
+                shared::mark_shards_committed(given_back);
+                shared::wake_relays();
+            }
+            state.held_shards = mine;
+            for shard in 0..crate::enqueue::order::SHARDS as i16 {
+                if mine & (1u32 << shard) == 0 {
+                    state.plans.forget(shard);
+                }
+            }
+            if claimed.is_empty() {
+                return Ok(Read::Batch(batch));
+            }
+            let full = full_read;
+            let shards: Vec<i16> = claimed.iter().map(|c| c.shard).collect();
+            claimed.retain(|c| full || c.position.is_some() || flagged & (1u32 << (c.shard as u32 % 32)) != 0);
+            let limit = settings.batch_size.min(i32::MAX as usize) as i32;
+            batch.catching_up = claimed.iter().any(|c| c.bounded);
+            batch.more |= batch.catching_up;
+            // Windows that fit are read whole first; windows published in parts share what is
+            // left of the round's allowance (src/log/window.rs).
+            claimed.sort_by_key(|c| (c.position.is_some(), c.shard));
+            let mut budget = Budget::round();
+            let mut log = Vec::new();
+            let mut unread = 0u32;
+            for c in &claimed {
+                let parse = |text: &str| {
+                    Snapshot::parse(text).unwrap_or_else(|| {
+                        error!("outbox_pg: shard {}'s cursor or snapshot {text:?} is not a pg_snapshot", c.shard)
+                    })
+                };
+                let (cursor, upto) = (parse(&c.cursor), parse(&c.upto));
+                let read = read_shard(c.shard, &cursor, &upto, c.position, &mut budget, &mut state.plans);
+                // A lagging shard steps to its recorded snapshot even when that window is empty:
+                // its next window then starts from there.
+                let advance = !read.events.is_empty()
+                    || (read.complete && (c.bounded || c.position.is_some()))
+                    || (read.complete && full && Duration::from_millis(c.age_ms as u64) >= IDLE_CURSOR_MOVE)
+                    || (!read.complete && c.position.is_none() && read.position.is_some());
+                batch.more |= !read.complete;
+                if !read.complete && read.position.is_none() {
+                    // The round's allowance ran out before this shard: nothing of it was read and
+                    // no position is stored, so only a flag sends the next round (a read on the
+                    // kept claim reads flagged shards only) back to it.
+                    unread |= 1u32 << (c.shard as u32 % 32);
+                }
+                let window = (!read.complete).then(|| (c.upto.clone(), read.position.unwrap_or((i64::MIN, i64::MIN))));
+                batch.shards.push(ShardBatch {
+                    shard: c.shard,
+                    next_cursor: if read.complete { c.upto.clone() } else { c.cursor.clone() },
+                    window,
+                    advance,
+                });
+                crate::log::window::flush_commits(read.events.iter().map(|row| row.txid));
+                log.extend(read.events);
+            }
+            if unread != 0 {
+                shared::mark_shards_committed(unread);
+            }
+            if held_any {
+                let held =
+                    client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
+                for row in held {
+                    batch.held_due.push(held_event(&row)?);
+                }
+            }
+            batch.more |= batch.held_due.len() >= settings.batch_size;
+            // Each shard's events in its publish order, which is commit order for every aggregate
+            // (src/log/window.rs); the shards' interleave by the same key, which keeps each one's order.
+            log.sort_unstable_by_key(|event| event.position());
+            let mut log: Vec<OutboxEvent> = log.into_iter().map(|row| row.event).collect();
+            let aggregates = distinct_aggregates(&log);
+            if !aggregates.is_empty() {
+                let mut found = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
+                if let Some(after) = after {
+                    // That round's counters, as its finish will have written them.
+                    let left: Map<(&str, &str), i64> =
+                        after.counters.iter().map(|(t, i, seq, _)| ((t.as_str(), i.as_str()), *seq)).collect();
+                    for ((t, i), seq) in aggregates.iter().zip(found.iter_mut()) {
+                        if let Some(&left) = left.get(&(t.as_str(), i.as_str())) {
+                            *seq = Some(seq.unwrap_or(0).max(left));
+                        }
+                    }
+                }
+                let counted: Vec<bool> = found.iter().map(Option::is_some).collect();
+                let mut last_seq: Vec<i64> = found.into_iter().map(|seq| seq.unwrap_or(0)).collect();
+                let mut waiting = Set::default();
+                if settings.in_order && held_any {
+                    let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
+                    let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
+                    for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
+                        waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
+                    }
+                }
+                let index: Map<(&str, &str), usize> =
+                    aggregates.iter().enumerate().map(|(n, (t, i))| ((t.as_str(), i.as_str()), n)).collect();
+                for event in &mut log {
+                    let position = index[&(event.aggregate_type.as_str(), event.aggregate_id.as_str())];
+                    last_seq[position] += 1;
+                    event.aggregate_seq = last_seq[position];
+                    if waiting.contains(&position) {
+                        batch.diverted.insert(event.id);
+                    }
+                }
+                batch.counters = aggregates
+                    .into_iter()
+                    .zip(last_seq)
+                    .zip(counted)
+                    .map(|(((t, i), seq), counted)| (t, i, seq, counted))
+                    .collect();
+            }
+            batch.events = log;
+            Ok(Read::Batch(batch))
+        })
+    })
+}
+
+/// The distinct aggregates of `events`, in order of first appearance.
+pub fn distinct_aggregates(events: &[OutboxEvent]) -> Vec<(String, String)> {
+    let mut seen = Set::default();
+    events
+        .iter()
+        .filter(|e| seen.insert((e.aggregate_type.as_str(), e.aggregate_id.as_str())))
+        .map(|e| (e.aggregate_type.clone(), e.aggregate_id.clone()))
+        .collect()
+}

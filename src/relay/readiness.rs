@@ -1,0 +1,99 @@
+//! Whether a relay may run its statements in a database: the extension is there, at this
+//! library's version, and the installation is the database's own (not a copy made by `CREATE
+//! DATABASE ... TEMPLATE`: docs/worker.md, "A copy is not the original").
+
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+
+use crate::relay::state::RoundState;
+
+/// The OID of the installed extension: which installation's log a batch was read from. A finish
+/// checks it is unchanged, because after `DROP EXTENSION` and `CREATE EXTENSION` the cursors and
+/// counters it would write belong to another log.
+pub fn installation() -> pg_sys::Oid {
+    // SAFETY: a catalog lookup inside a transaction; missing_ok, so it returns InvalidOid rather
+    // than raising.
+    unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) }
+}
+
+/// Whether the relay may run its statements in this database.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Readiness {
+    Missing,
+    /// Installed at another version: its functions may not be the ones this library calls.
+    Outdated(String),
+    /// A copy (`CREATE DATABASE ... TEMPLATE`) of the installation of the database with this OID,
+    /// with its events and counters: publishing them would duplicate the original's events and
+    /// number new ones with the original's `aggregate_seq`s.
+    Copied(u32),
+    Ready(pg_sys::Oid),
+}
+
+/// The library's version: the extension version it was built with and whose statements it calls.
+pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Checks that the extension is installed, at the version of this library. After a new library is
+/// installed and the server restarted, the database keeps the old extension version until `ALTER
+/// EXTENSION outbox_pg UPDATE`; until then the relay calls nothing (events wait, none is lost).
+pub fn readiness(state: &mut RoundState) -> Result<Readiness, pgrx::spi::Error> {
+    let oid = installation();
+    if oid == pg_sys::InvalidOid {
+        return Ok(Readiness::Missing);
+    }
+    if let Some((checked, at)) = state.version_checked {
+        if checked == oid && at.elapsed() < Duration::from_secs(1) {
+            return Ok(Readiness::Ready(oid));
+        }
+    }
+    let version = Spi::get_one_with_args::<String>(
+        "SELECT extversion::text FROM pg_catalog.pg_extension WHERE oid = $1",
+        &[oid.into()],
+    )?
+    .unwrap_or_default();
+    if version != LIBRARY_VERSION {
+        state.version_checked = None;
+        return Ok(Readiness::Outdated(version));
+    }
+    if let Some(original) = copied_from()? {
+        state.version_checked = None;
+        return Ok(Readiness::Copied(original));
+    }
+    state.version_checked = Some((oid, Instant::now()));
+    Ok(Readiness::Ready(oid))
+}
+
+/// The database this installation was copied from, if it is a copy that carries events or
+/// counters (`outbox.installation` names another database: `CREATE DATABASE ... TEMPLATE`). A copy
+/// that carries nothing of the original's (a template with outbox_pg installed, as `CREATE
+/// DATABASE` copies it) is adopted at once, whatever it has enqueued since: it cannot collide
+/// with anything.
+fn copied_from() -> Result<Option<u32>, pgrx::spi::Error> {
+    // SAFETY: set for every connected backend.
+    let here = unsafe { pg_sys::MyDatabaseId };
+    let recorded = Spi::get_one::<pg_sys::Oid>("SELECT database_oid FROM outbox.installation")?;
+    let Some(recorded) = recorded.filter(|recorded| *recorded != here) else {
+        return Ok(None);
+    };
+    // Copied events are older than the database (src/sql/operations.sql, _database_created_by);
+    // those enqueued here since are its own. The failure path and the counters are written by
+    // relays only, so anything there was copied.
+    let pristine = Spi::get_one::<bool>(
+        "SELECT NOT EXISTS (SELECT 1 FROM outbox.events e
+                             WHERE e.txid < coalesce(outbox._database_created_by(), pg_current_xact_id()))
+                AND NOT EXISTS (SELECT 1 FROM outbox.held) AND NOT EXISTS (SELECT 1 FROM outbox.aggregates)",
+    )?
+    .unwrap_or(false);
+    if !pristine {
+        return Ok(Some(recorded.to_u32()));
+    }
+    Spi::run_with_args(
+        "UPDATE outbox.installation SET database_oid = $1, installed_at = clock_timestamp()",
+        &[here.into()],
+    )?;
+    log!(
+        "outbox_pg: this database's outbox_pg was copied from database oid {} and holds no event and no counter; relaying it as its own",
+        recorded.to_u32()
+    );
+    Ok(None)
+}

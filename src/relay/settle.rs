@@ -1,0 +1,152 @@
+//! The last part of a round: finish it in one short transaction, once Redis has answered. Each
+//! shard's cursor (or position in a window published in parts), the counters of the round's
+//! aggregates, and, only when Redis refused something, the failure path; and only if the log still
+//! belongs to the installation the round was read from.
+
+use std::panic::AssertUnwindSafe;
+
+use pgrx::prelude::*;
+use pgrx::{PgBuiltInOids, PgOid};
+
+use crate::relay::read::{Batch, ShardBatch};
+use crate::relay::readiness::installation;
+use crate::relay::round::TickSettings;
+use crate::relay::state::{RoundState, Statement, Statements};
+use crate::relay::txn;
+
+const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
+const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
+const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::uuid[], $12)";
+
+/// The argument types of ADVANCE.
+const ADVANCE_TYPES: [PgOid; 12] = [
+    PgOid::BuiltIn(PgBuiltInOids::INT4OID),
+    PgOid::BuiltIn(PgBuiltInOids::INT2ARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::BOOLARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
+];
+
+/// How a round is finished.
+#[derive(Default)]
+pub struct Settlement {
+    /// Log events that go to the failure path: (event_id, aggregate_seq, the rejection if Redis
+    /// rejected this one; None for events waiting behind one).
+    pub hold: Vec<(String, i64, Option<String>)>,
+    /// Failure-path events Redis accepted.
+    pub held_published: Vec<i64>,
+    /// Failure-path events Redis rejected again, with the error.
+    pub held_rejected: Vec<(i64, String)>,
+    /// What the round published, in the order Redis received it: (event_id, aggregate_seq), for
+    /// the journal replays walk (src/sql/replay.sql).
+    pub journal: Vec<(String, i64)>,
+}
+
+/// What a finish wrote.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Finished {
+    pub dead_lettered: i64,
+}
+
+/// Writes the round's outcome in one transaction, if the log still belongs to the installation
+/// the batch was read from.
+pub fn finish(
+    settlement: Settlement,
+    batch: &Batch,
+    settings: &TickSettings,
+    state: &mut RoundState,
+) -> Result<Finished, String> {
+    let (max_attempts, retry_delay_ms, pid) = (settings.max_attempts, settings.retry_delay_ms, settings.pid);
+    let advancing: Vec<&ShardBatch> = batch.shards.iter().filter(|s| s.advance).collect();
+    let shards: Vec<i16> = advancing.iter().map(|s| s.shard).collect();
+    let cursors: Vec<String> = advancing.iter().map(|s| s.next_cursor.clone()).collect();
+    let window_uptos: Vec<Option<String>> =
+        advancing.iter().map(|s| s.window.as_ref().map(|(upto, _)| upto.clone())).collect();
+    let window_max_ids: Vec<Option<i64>> = advancing.iter().map(|s| s.window.as_ref().map(|(_, p)| p.0)).collect();
+    let window_last_ids: Vec<Option<i64>> = advancing.iter().map(|s| s.window.as_ref().map(|(_, p)| p.1)).collect();
+    let counter_types: Vec<String> = batch.counters.iter().map(|(t, ..)| t.clone()).collect();
+    let counter_ids: Vec<String> = batch.counters.iter().map(|(_, i, ..)| i.clone()).collect();
+    let counter_seqs: Vec<i64> = batch.counters.iter().map(|(_, _, s, _)| *s).collect();
+    let counted: Vec<bool> = batch.counters.iter().map(|(.., c)| *c).collect();
+    let (journal_ids, journal_seqs): (Vec<String>, Vec<i64>) = settlement.journal.iter().cloned().unzip();
+    let read_from = batch.installation;
+    let holds = !settlement.hold.is_empty() || !settlement.held_rejected.is_empty();
+    let statements = AssertUnwindSafe(&mut state.statements);
+    let finished = txn::run(move || -> Result<Finished, String> {
+        let mut statements = statements;
+        let statements: &mut Statements = &mut statements;
+        let mut finished = Finished::default();
+        let spi = |e: pgrx::spi::Error| e.to_string();
+        if !settlement.hold.is_empty() {
+            let event_ids: Vec<String> = settlement.hold.iter().map(|(e, ..)| e.clone()).collect();
+            let seqs: Vec<i64> = settlement.hold.iter().map(|(_, s, _)| *s).collect();
+            let errors: Vec<Option<String>> = settlement.hold.iter().map(|(.., e)| e.clone()).collect();
+            finished.dead_lettered += Spi::get_one_with_args::<i64>(
+                HOLD,
+                &[event_ids.into(), seqs.into(), errors.into(), max_attempts.into(), retry_delay_ms.into()],
+            )
+            .map_err(spi)?
+            .unwrap_or(0);
+        }
+        if !settlement.held_published.is_empty() || !settlement.held_rejected.is_empty() {
+            let rejected: Vec<i64> = settlement.held_rejected.iter().map(|(id, _)| *id).collect();
+            let errors: Vec<String> = settlement.held_rejected.iter().map(|(_, e)| e.clone()).collect();
+            finished.dead_lettered += Spi::get_one_with_args::<i64>(
+                SETTLE_HELD,
+                &[
+                    settlement.held_published.into(),
+                    rejected.into(),
+                    errors.into(),
+                    max_attempts.into(),
+                    retry_delay_ms.into(),
+                ],
+            )
+            .map_err(spi)?
+            .unwrap_or(0);
+        }
+        if !shards.is_empty() || !counter_types.is_empty() || !journal_ids.is_empty() {
+            Spi::connect_mut(|client| {
+                let advance = statements.get(client, Statement::Advance, ADVANCE, &ADVANCE_TYPES)?;
+                client.update(
+                    advance,
+                    None,
+                    &[
+                        pid.into(),
+                        shards.into(),
+                        cursors.into(),
+                        window_uptos.into(),
+                        window_max_ids.into(),
+                        window_last_ids.into(),
+                        counter_types.into(),
+                        counter_ids.into(),
+                        counter_seqs.into(),
+                        counted.into(),
+                        journal_ids.into(),
+                        journal_seqs.into(),
+                    ],
+                )?;
+                Ok::<_, pgrx::spi::Error>(())
+            })
+            .map_err(spi)?;
+        }
+        // Checked after the writes, in their transaction: the rows they touched stay locked until
+        // it ends, so a DROP EXTENSION cannot slip in between this check and the commit.
+        if installation() != read_from {
+            return Err("outbox_pg was dropped and created again while this batch was being published; \
+                        nothing was finished"
+                .to_string());
+        }
+        Ok(finished)
+    });
+    if finished.is_err() || holds {
+        state.forget_kept_claim();
+    }
+    finished
+}

@@ -1,0 +1,140 @@
+//! What a relay keeps from one round to the next, owned by its worker loop and passed to every
+//! round: the statements it prepared once, the claim it may keep for a while, the shards it held
+//! (for the commit flags), the transactions of the windows it publishes in parts, when it last
+//! checked the extension's version, and a round left in flight. Nothing else carries state between
+//! rounds.
+
+use std::time::{Duration, Instant};
+
+use pgrx::prelude::*;
+use pgrx::spi::{OwnedPreparedStatement, SpiClient};
+use pgrx::PgOid;
+
+use crate::log::window::WindowPlans;
+use crate::relay::round::Flight;
+
+/// A relay's state between rounds (see the module's header).
+#[derive(Default)]
+pub struct RoundState {
+    pub statements: Statements,
+    /// The last full claim's outcome, while a round may go without one (`kept_claim`).
+    kept_claim: Option<KeptClaim>,
+    /// The shards this relay held at its last round (one bit each).
+    pub held_shards: u32,
+    /// The transactions of the windows this relay publishes in parts (src/log/window.rs).
+    pub plans: WindowPlans,
+    /// The installation last found at the library's version, and when: the version is read again
+    /// at most once a second (an ALTER EXTENSION UPDATE keeps the OID), not every round.
+    pub version_checked: Option<(pg_sys::Oid, Instant)>,
+    /// A round sent to Redis and not landed yet (src/relay/round.rs, `tick`).
+    pub flight: Option<Flight>,
+}
+
+/// The round's statements that run most often, prepared once per relay and kept (`SPI_keepplan`):
+/// parsing, analysing and planning them again each round was about a tenth of a round's time when
+/// rounds carry an event or two. A kept plan is checked and, if what it uses changed (DROP and
+/// CREATE EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes stale.
+#[derive(Default)]
+pub struct Statements {
+    claim: Option<OwnedPreparedStatement>,
+    held: Option<OwnedPreparedStatement>,
+    advance: Option<OwnedPreparedStatement>,
+}
+
+/// Which kept statement.
+#[derive(Debug, Clone, Copy)]
+pub enum Statement {
+    Claim,
+    Held,
+    Advance,
+}
+
+impl Statements {
+    /// The kept statement `which`, prepared from `query` (with argument `types`) the first time.
+    pub fn get(
+        &mut self,
+        client: &SpiClient<'_>,
+        which: Statement,
+        query: &str,
+        types: &[PgOid],
+    ) -> Result<&OwnedPreparedStatement, pgrx::spi::Error> {
+        let slot = match which {
+            Statement::Claim => &mut self.claim,
+            Statement::Held => &mut self.held,
+            Statement::Advance => &mut self.advance,
+        };
+        let statement = match slot.take() {
+            Some(statement) => statement,
+            None => client.prepare_mut(query, types)?.keep(),
+        };
+        Ok(slot.insert(statement))
+    }
+}
+
+/// A full claim that the rounds after it may keep: when, for which installation and share, and
+/// the shards it gave this relay.
+struct KeptClaim {
+    taken: Instant,
+    installation: pg_sys::Oid,
+    share: usize,
+    shards: Vec<i16>,
+}
+
+/// How long a round may go on a kept claim: the claim statement (its count, its lease renewal, its
+/// recorded-snapshot and failure-path probes) was most of a small round's CPU, and under a steady
+/// stream of commits most rounds change nothing. At most a tenth of the lease, so that the lease,
+/// renewed by the claim after a third of it, never comes near expiring.
+pub fn claim_kept_for(lease: Duration) -> Duration {
+    (lease / 10).min(Duration::from_millis(100))
+}
+
+impl RoundState {
+    /// The shards of the last full claim, if this round may keep it instead of claiming: not on a
+    /// full read (which also moves idle cursors and probes everything), with the same installation
+    /// and share, and within `claim_kept_for`. Only a claim that found nothing on the failure path
+    /// and no lagging shard is kept (`keep_claim`), and a finish that fails or holds events forgets
+    /// it. The round still reads its shards' rows and goes on only if they are exactly the kept
+    /// ones: a shard taken over, freed by the reaper or rebased by a restore sends it back to the
+    /// claim.
+    pub fn kept_claim(
+        &self,
+        installation: pg_sys::Oid,
+        share: usize,
+        lease: Duration,
+        full_read: bool,
+    ) -> Option<Vec<i16>> {
+        if full_read {
+            return None;
+        }
+        self.kept_claim
+            .as_ref()
+            .filter(|k| k.installation == installation && k.share == share && k.taken.elapsed() < claim_kept_for(lease))
+            .map(|k| k.shards.clone())
+    }
+
+    /// Keeps a full claim's outcome (its shards) for the rounds that follow, when they may use it:
+    /// `keepable` when it found nothing on the failure path and no lagging shard.
+    pub fn keep_claim(&mut self, installation: pg_sys::Oid, share: usize, shards: Vec<i16>, keepable: bool) {
+        self.kept_claim =
+            (keepable && !shards.is_empty()).then(|| KeptClaim { taken: Instant::now(), installation, share, shards });
+    }
+
+    /// The next round claims again.
+    pub fn forget_kept_claim(&mut self) {
+        self.kept_claim = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::claim_kept_for;
+    use std::time::Duration;
+
+    #[test]
+    fn a_claim_is_kept_for_a_tenth_of_the_lease_and_at_most_100_ms() {
+        assert_eq!(claim_kept_for(Duration::from_secs(30)), Duration::from_millis(100));
+        // A short lease (the tests' 300 ms): its renewal after a third of it is never skipped.
+        assert_eq!(claim_kept_for(Duration::from_millis(300)), Duration::from_millis(30));
+        assert_eq!(claim_kept_for(Duration::ZERO), Duration::ZERO);
+    }
+}
