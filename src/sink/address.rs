@@ -3,36 +3,32 @@
 //! nodes); the password file; and how a URL is shown (host and port only, or masked). Nothing here
 //! talks to Redis, and no error text ever contains a password.
 
-use std::fs;
-use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 
+use outbox_protocol::{redis_url, secret_files};
 use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 
 use super::BrokerError;
 
-/// The URL of each node a (possibly multi-host) `outbox.redis_url` names, in the order given, each
-/// with the URL's scheme, credentials, database and query. A password may hold `,` or `@`: the
-/// credentials end at the *last* `@`, and only what follows them is split into hosts.
-pub fn node_urls(url: &str) -> Vec<String> {
-    let url = url.trim();
-    let Some(scheme_end) = url.find("://") else {
-        return vec![url.to_string()];
-    };
-    let (scheme, rest) = (&url[..scheme_end + 3], &url[scheme_end + 3..]);
-    let (userinfo, after_credentials) = match rest.rfind('@') {
-        Some(at) => (&rest[..=at], &rest[at + 1..]),
-        None => ("", rest),
-    };
-    let hosts_end = after_credentials.find(['/', '?', '#']).unwrap_or(after_credentials.len());
-    let (hosts, tail) = after_credentials.split_at(hosts_end);
-    if !hosts.contains(',') {
-        return vec![url.to_string()];
-    }
-    hosts
-        .split(',')
-        .map(str::trim)
-        .filter(|host| !host.is_empty())
-        .map(|host| format!("{scheme}{userinfo}{host}{tail}"))
+/// The URL of each node `outbox.redis_url` names, in the order given (the forms it may take:
+/// outbox_protocol's `redis_url`). The error names the part that is wrong, never a password.
+pub fn node_urls(url: &str) -> Result<Vec<String>, BrokerError> {
+    redis_url::node_urls(url).map_err(|e| BrokerError(format!("outbox.redis_url {e}")))
+}
+
+/// Every node `url` names, parsed, with the password file applied. An error names the part that
+/// is wrong: its position in the list and its location, never a password.
+pub fn node_infos(url: &str, password_file: Option<&str>) -> Result<Vec<ConnectionInfo>, BrokerError> {
+    let nodes = node_urls(url)?;
+    let count = nodes.len();
+    nodes
+        .iter()
+        .enumerate()
+        .map(|(index, node)| {
+            connection_info(node, password_file).map_err(|BrokerError(error)| {
+                BrokerError(if count > 1 { format!("{error} (node {} of {count})", index + 1) } else { error })
+            })
+        })
         .collect()
 }
 
@@ -71,40 +67,24 @@ pub fn at_node(info: &ConnectionInfo, host: &str, port: u16) -> ConnectionInfo {
     info.clone().set_addr(addr)
 }
 
-/// Refuses a secret file that its group or others may access (as libpq does for `.pgpass`).
-pub fn private_file(setting: &str, path: &str) -> Result<(), BrokerError> {
-    let metadata = fs::metadata(path).map_err(|e| BrokerError(format!("cannot read {setting} \"{path}\": {e}")))?;
-    if metadata.mode() & 0o077 != 0 {
-        return Err(BrokerError(format!(
-            "{setting} \"{path}\" has group or world access; it must be readable by its owner only (chmod 600)"
-        )));
-    }
-    Ok(())
-}
-
 /// Reads the password from a file that only the server's OS user may read (like libpq's
 /// `.pgpass`, a group- or world-accessible file is refused). Trailing newlines are ignored.
 pub fn read_password_file(path: &str) -> Result<String, BrokerError> {
-    private_file("outbox.redis_password_file", path)?;
-    let contents = fs::read_to_string(path)
-        .map_err(|e| BrokerError(format!("cannot read outbox.redis_password_file \"{path}\": {e}")))?;
-    let password = contents.trim_end_matches(['\r', '\n']);
-    if password.is_empty() {
-        return Err(BrokerError(format!("outbox.redis_password_file \"{path}\" is empty")));
-    }
-    Ok(password.to_string())
+    secret_files::read_password("outbox.redis_password_file", Path::new(path)).map_err(BrokerError)
 }
 
 /// `host:port` (or the socket path) of each node a Redis URL names, for log lines. Never includes
 /// credentials: a URL that does not parse is shown by its location only (what follows the
 /// credentials), marked invalid.
 pub fn describe_target(url: &str) -> String {
-    let nodes: Vec<String> = node_urls(url).iter().map(|node| describe_node(node)).collect();
+    let invalid = || match location(url.trim()) {
+        "" => "(invalid outbox.redis_url)".to_string(),
+        location => format!("{location} (invalid outbox.redis_url)"),
+    };
+    let Ok(nodes) = redis_url::node_urls(url) else { return invalid() };
+    let nodes: Vec<String> = nodes.iter().map(|node| describe_node(node)).collect();
     if nodes.iter().any(|node| node.ends_with("(invalid outbox.redis_url)")) {
-        return match location(url.trim()) {
-            "" => "(invalid outbox.redis_url)".into(),
-            location => format!("{location} (invalid outbox.redis_url)"),
-        };
+        return invalid();
     }
     nodes.join(", ")
 }
@@ -126,82 +106,12 @@ pub fn describe_addr(addr: &ConnectionAddr) -> String {
     }
 }
 
-/// What follows the credentials and precedes any query or fragment: host(s), port(s) and database.
-/// Credentials end at the *last* `@`, since a password may hold `@`, `/`, `?` or `#` unencoded.
-fn location(url: &str) -> &str {
-    let rest = url.find("://").map_or(url, |end| &url[end + 3..]);
-    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
-    &rest[..rest.find(['?', '#']).unwrap_or(rest.len())]
-}
-
-/// Whether the URL carries a password (anything after a `:` in its credentials, or a
-/// `password=` query parameter).
-pub fn has_password(url: &str) -> bool {
-    let url = url.trim();
-    let Some(scheme_end) = url.find("://") else { return false };
-    let rest = &url[scheme_end + 3..];
-    let in_credentials = rest.rfind('@').is_some_and(|at| {
-        let userinfo = &rest[..at];
-        // `user@host` names a user only; `:password@` or `user:password@` (or anything that is not
-        // plainly a user name) carries a secret.
-        !userinfo.chars().all(|c| c.is_ascii_alphanumeric() || "-_.~%".contains(c))
-    });
-    in_credentials || url.contains("password=")
-}
-
-/// The URL with its credentials masked, as `SHOW outbox.redis_url` prints it: scheme, user name
-/// (when it is plainly one), `****` for the password, and the location; the query and fragment are
-/// dropped, since some clients read credentials from them. Whatever characters the password holds,
-/// none of it is shown.
-pub fn redact_url(url: &str) -> String {
-    let url = url.trim();
-    let Some(scheme_end) = url.find("://") else {
-        return if url.is_empty() { String::new() } else { "(invalid: not a redis:// URL)".into() };
-    };
-    let scheme = &url[..scheme_end + 3];
-    let rest = &url[scheme_end + 3..];
-    let location = location(url);
-    match rest.rfind('@') {
-        None => format!("{scheme}{location}"),
-        Some(at) => {
-            let userinfo = &rest[..at];
-            match userinfo.find(':') {
-                Some(colon) if !userinfo[..colon].contains(['/', '?', '#']) => {
-                    format!("{scheme}{}:****@{location}", &userinfo[..colon])
-                }
-                _ => format!("{scheme}****@{location}"),
-            }
-        }
-    }
-}
+pub use redis_url::{has_password, location, redact as redact_url};
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redact_masks_passwords_only() {
-        assert_eq!(redact_url("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-        assert_eq!(redact_url("redis://:s3cret@h:1/0"), "redis://:****@h:1/0");
-        assert_eq!(redact_url("rediss://app:s3cret@h:1"), "rediss://app:****@h:1");
-        assert_eq!(redact_url("redis://s3cret@h"), "redis://****@h");
-        assert_eq!(redact_url("redis://u:p@ss@h/0"), "redis://u:****@h/0");
-        assert!(!redact_url("garbage:s3cret@x").contains("s3cret"));
-        assert_eq!(redact_url("redis://u:p,w@a:1,b:2/0"), "redis://u:****@a:1,b:2/0");
-    }
-
-    #[test]
-    fn redact_hides_passwords_holding_reserved_characters() {
-        for (url, shown) in [
-            ("redis://:p/a?s#s@127.0.0.1:6379", "redis://:****@127.0.0.1:6379"),
-            ("redis://app:se@cr/et@h:1/2", "redis://app:****@h:1/2"),
-            ("rediss://app:x?y#z@h:1/0?protocol=resp3", "rediss://app:****@h:1/0"),
-            ("redis://h:1/0?password=s3cret", "redis://h:1/0"),
-            ("redis://us/er:pw@h", "redis://****@h"),
-        ] {
-            assert_eq!(redact_url(url), shown, "{url}");
-        }
-    }
+    use std::fs;
 
     #[test]
     fn unparseable_urls_are_described_by_location_only() {
@@ -220,29 +130,23 @@ mod tests {
     }
 
     #[test]
-    fn a_multi_host_url_names_each_node_with_the_same_credentials() {
-        assert_eq!(node_urls("redis://h:1/0"), ["redis://h:1/0"]);
-        assert_eq!(
-            node_urls("redis://app:p,a@ss@s1:26379, s2:26379,s3/0?protocol=resp2"),
-            [
-                "redis://app:p,a@ss@s1:26379/0?protocol=resp2",
-                "redis://app:p,a@ss@s2:26379/0?protocol=resp2",
-                "redis://app:p,a@ss@s3/0?protocol=resp2"
-            ]
-        );
-        assert_eq!(node_urls("rediss://[::1]:7000,[::1]:7001"), ["rediss://[::1]:7000", "rediss://[::1]:7001"]);
+    fn a_multi_host_url_is_not_one_nodes_url() {
+        // How a list names its nodes is outbox_protocol's (tested there); the sink adds the name.
+        assert!(node_urls("redis://a:1,,b:2").unwrap_err().0.starts_with("outbox.redis_url "));
         let info = connection_info("redis://app:pw@a:1,b:2", None);
         assert!(info.is_err(), "a multi-host URL is not one node's URL");
     }
 
     #[test]
-    fn passwords_are_told_from_user_names() {
-        assert!(!has_password("redis://h:1"));
-        assert!(!has_password("redis://relay@h:1"));
-        assert!(has_password("redis://relay:pw@h:1"));
-        assert!(has_password("redis://:pw@h:1"));
-        assert!(has_password("redis://h:1/0?password=x"));
-        assert!(has_password("redis://u:p@a:1,b:2"));
+    fn the_node_of_a_list_that_does_not_parse_is_named() {
+        assert_eq!(node_infos("redis://a:1,redis://u:pw@b:2/", None).unwrap().len(), 2);
+        let error = node_infos("redis://u:s3cret@a:1,redis://u:s3cret@b:notaport", None).unwrap_err().0;
+        assert!(error.contains("not a valid Redis URL") && error.contains("b:notaport (node 2 of 2)"), "{error}");
+        assert!(!error.contains("s3cret"), "{error}");
+        let error = node_infos("redis://a:1,ftp://b:2", None).unwrap_err().0;
+        assert!(error.starts_with("outbox.redis_url ") && error.contains("scheme is not"), "{error}");
+        let error = node_infos("redis://a:1,redis://b:2,,redis://c:3", None).unwrap_err().0;
+        assert!(error.contains("part 2 of 3") && error.contains("empty node"), "{error}");
     }
 
     #[test]

@@ -9,13 +9,27 @@
 
 pub mod address;
 pub mod cluster;
+pub mod entry;
+pub mod marks;
 pub mod node;
 pub mod redis;
 pub mod sentinel;
 
 use std::time::Duration;
 
-pub use crate::guc::RedisMode;
+/// How the relay finds where to write: one node, a master through Sentinel, or a Cluster.
+#[derive(pgrx::PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum RedisMode {
+    /// `outbox.redis_url` is the one node.
+    #[name = c"standalone"]
+    Standalone,
+    /// `outbox.redis_url` lists the sentinels; they name the master `outbox.redis_sentinel_master`.
+    #[name = c"sentinel"]
+    Sentinel,
+    /// `outbox.redis_url` lists seed nodes of a Redis Cluster.
+    #[name = c"cluster"]
+    Cluster,
+}
 
 /// Everything needed to reach Redis, as configured by the `outbox.redis_*` settings.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -29,6 +43,9 @@ pub struct RedisConfig {
     pub tls: TlsFiles,
     /// `outbox.redis_wait_replicas`: replicas that must have a batch before it counts as published.
     pub wait_replicas: u32,
+    /// `outbox.replay_on_loss`: a loss found stops the round before it writes anything, so that
+    /// the relays replay it first.
+    pub replay_losses_first: bool,
 }
 
 /// `outbox.redis_tls_*`: where the certificates for a `rediss://` connection are. Read at every
@@ -59,11 +76,34 @@ impl std::fmt::Display for BrokerError {
     }
 }
 
+/// An entry ID as Redis assigns them (`<milliseconds>-<sequence>`), ordered as Redis orders them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct StreamId {
+    /// Redis's clock when it added the entry, in milliseconds since 1970.
+    pub ms: u64,
+    pub seq: u64,
+}
+
+impl StreamId {
+    /// Parses `<ms>-<seq>`.
+    pub fn parse(text: &[u8]) -> Option<StreamId> {
+        let text = std::str::from_utf8(text).ok()?;
+        let (ms, seq) = text.split_once('-')?;
+        Some(StreamId { ms: ms.parse().ok()?, seq: seq.parse().ok()? })
+    }
+}
+
+impl std::fmt::Display for StreamId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.ms, self.seq)
+    }
+}
+
 /// What happened to one entry of a published batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EntryOutcome {
-    /// Redis stored the entry.
-    Published,
+    /// Redis stored the entry, under this ID (None if the reply was not one).
+    Published(Option<StreamId>),
     /// Redis refused this entry because of the entry itself (e.g. WRONGTYPE: its stream key holds
     /// another type). Other entries are unaffected.
     Rejected(String),

@@ -3,14 +3,15 @@
 //! one deadline. What a reply means for an entry (published, the entry's fault, Redis's fault, a
 //! redirection to another cluster node) is decided here, once for every topology.
 
-use std::fs;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
+use outbox_protocol::secret_files::{self, TlsSettings};
 use redis::{ConnectionAddr, ConnectionInfo};
 
-use super::address::{describe_addr, private_file};
-use super::{BrokerError, EntryOutcome, TlsFiles};
-use crate::entry::NumberText;
+use super::address::describe_addr;
+use super::{BrokerError, EntryOutcome, StreamId, TlsFiles};
+use crate::sink::entry::NumberText;
 
 /// Server error codes that describe the server's state, not the entry: retried without limit.
 const BROKER_WIDE_CODES: &[&str] = &[
@@ -64,30 +65,22 @@ pub fn connect(info: ConnectionInfo, timeout: Duration, tls: &TlsFiles) -> Resul
 /// against `ca_file` (or the system's roots) and the host name or address in the URL, always: there
 /// is no setting that turns verification off.
 fn tls_certificates(files: &TlsFiles) -> Result<redis::TlsCertificates, BrokerError> {
-    let read = |setting: &str, path: &str| {
-        fs::read(path).map_err(|e| BrokerError(format!("cannot read {setting} \"{path}\": {e}")))
+    let names = TlsSettings {
+        ca_file: "outbox.redis_tls_ca_file",
+        cert_file: "outbox.redis_tls_cert_file",
+        key_file: "outbox.redis_tls_key_file",
     };
-    let root_cert = match &files.ca_file {
-        Some(path) => Some(read("outbox.redis_tls_ca_file", path)?),
-        None => None,
-    };
-    let client_tls = match (&files.cert_file, &files.key_file) {
-        (Some(cert), Some(key)) => {
-            // The key is a secret, kept like the password file: owner-only.
-            private_file("outbox.redis_tls_key_file", key)?;
-            Some(redis::ClientTlsConfig {
-                client_cert: read("outbox.redis_tls_cert_file", cert)?,
-                client_key: read("outbox.redis_tls_key_file", key)?,
-            })
-        }
-        (None, None) => None,
-        _ => {
-            return Err(BrokerError(
-                "outbox.redis_tls_cert_file and outbox.redis_tls_key_file must be set together".into(),
-            ))
-        }
-    };
-    Ok(redis::TlsCertificates { client_tls, root_cert })
+    let material = secret_files::read_tls(
+        &names,
+        files.ca_file.as_deref().map(Path::new),
+        files.cert_file.as_deref().map(Path::new),
+        files.key_file.as_deref().map(Path::new),
+    )
+    .map_err(BrokerError)?;
+    Ok(redis::TlsCertificates {
+        root_cert: material.ca,
+        client_tls: material.client.map(|(client_cert, client_key)| redis::ClientTlsConfig { client_cert, client_key }),
+    })
 }
 
 /// Reads Redis's `proto-max-bulk-len`; `None` when the relay's user may not (ACLs, managed
@@ -151,6 +144,9 @@ pub struct Exchanged {
 #[derive(Default)]
 pub struct Pipeline {
     bytes: Vec<u8>,
+    /// Bytes the buffer could not grow by (memory): the pipeline is not sent, the round fails and
+    /// backs off, rather than the allocation aborting the process.
+    unallocated: usize,
     /// (commands, preceded by ASKING) per block.
     blocks: Vec<(usize, bool)>,
     wait_replicas: u32,
@@ -190,6 +186,10 @@ impl Pipeline {
     }
 
     pub fn arg(&mut self, value: &[u8]) {
+        if self.unallocated > 0 || self.bytes.try_reserve(value.len() + 32).is_err() {
+            self.unallocated += value.len() + 32;
+            return;
+        }
         self.bytes.push(b'$');
         self.number(value.len() as u64);
         self.bytes.extend_from_slice(value);
@@ -217,6 +217,13 @@ impl Pipeline {
 
     /// Sends the whole pipeline (reading nothing yet).
     pub fn send(&self, connection: &mut redis::Connection) -> Result<(), BrokerError> {
+        if self.unallocated > 0 {
+            return Err(BrokerError(format!(
+                "the relay is out of memory: it could not allocate {} more bytes for a pipeline of {} bytes",
+                self.unallocated,
+                self.bytes.len()
+            )));
+        }
         connection.send_packed_command(&self.bytes).map_err(|e| BrokerError(describe_error(&e)))
     }
 
@@ -299,7 +306,8 @@ impl Pipeline {
                                 EntryOutcome::BrokerRefused(error.to_string())
                             }
                             redis::Value::ServerError(error) => EntryOutcome::Rejected(error.to_string()),
-                            _ => EntryOutcome::Published,
+                            redis::Value::BulkString(id) => EntryOutcome::Published(StreamId::parse(&id)),
+                            _ => EntryOutcome::Published(None),
                         })
                         .collect(),
                 )),

@@ -9,6 +9,11 @@
 //!   all masters at once. MOVED updates the slot map and sends the block to the node named; ASK
 //!   sends it there once, after ASKING. An aggregate's events in a round all go to one stream key
 //!   (tick.rs defers the rest), hence to one block, so splitting never reorders an aggregate.
+//!
+//! One file, longer than most: publishing to each topology (one node, a Sentinel's master, a
+//! Cluster's masters with MOVED and ASK), sending a batch now and landing it later, and the check for
+//! lost entries all share the sink's connections, its slot map and the rule of when a connection can
+//! no longer be trusted; split, that state would be spread over files that each change it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -16,12 +21,13 @@ use std::time::Instant;
 use redis::ConnectionInfo;
 
 pub use super::address::redact_url;
-use super::address::{at_node, connection_info, describe_target, node_urls};
+use super::address::{at_node, describe_target, node_infos};
 use super::cluster::{key_slot, NodeAddr, SlotMap};
+use super::marks::{last_generated_ids, LastIdError, Loss, Mark, Marks};
 use super::node::{self, BlockReply, Pipeline, Redirect};
 use super::sentinel;
 pub use super::{BrokerError, EntryOutcome, RedisConfig, RedisMode, TlsFiles};
-use crate::entry::OutboxEvent;
+use crate::sink::entry::{EntryFormat, EntrySettings, OutboxEvent};
 
 /// Redis's default `proto-max-bulk-len` (512 MB): the most any event may carry in one argument.
 const DEFAULT_MAX_ARGUMENT: u64 = 512 * 1024 * 1024;
@@ -45,6 +51,12 @@ pub struct RedisSink {
     /// when the relay's user may not read the configuration (ACLs; managed services that disable
     /// CONFIG).
     max_argument: Option<u64>,
+    /// The last entry ID written to each stream, checked against Redis after each new connection.
+    marks: Marks,
+    /// Losses the checks found, for the relay to report (`take_losses`).
+    losses: Vec<Loss>,
+    /// Redis refused `XINFO STREAM` (an ACL without it): losses cannot be noticed. Reported once.
+    pub check_refused: Option<String>,
 }
 
 impl Default for RedisSink {
@@ -55,13 +67,31 @@ impl Default for RedisSink {
 
 impl RedisSink {
     pub fn new() -> Self {
-        RedisSink { config: None, single: None, slots: None, nodes: HashMap::new(), max_argument: None }
+        RedisSink {
+            config: None,
+            single: None,
+            slots: None,
+            nodes: HashMap::new(),
+            max_argument: None,
+            marks: Marks::default(),
+            losses: Vec::new(),
+            check_refused: None,
+        }
     }
 
     /// Applies (possibly new) settings; a changed configuration drops every connection so the next
     /// publish connects with the new one.
     pub fn configure(&mut self, config: RedisConfig) {
         if self.config.as_ref() != Some(&config) {
+            let elsewhere = self.config.as_ref().is_none_or(|old| {
+                (old.url.as_str(), old.mode, old.sentinel_master.as_str())
+                    != (config.url.as_str(), config.mode, config.sentinel_master.as_str())
+            });
+            if elsewhere {
+                // What the relay knows of the streams of one Redis says nothing of another's.
+                self.marks = Marks::default();
+                self.losses.clear();
+            }
             self.disconnect();
             self.config = Some(config);
         }
@@ -84,6 +114,31 @@ impl RedisSink {
         }
     }
 
+    /// Which Redis deployment the stream marks are of (`outbox.stream_marks.target`): `describe`,
+    /// and the logical database when not 0 (a Cluster has only 0). The marks of one database say
+    /// nothing of another's, on the same server or not.
+    pub fn marks_target(&self) -> String {
+        let described = self.describe();
+        let Some(config) = &self.config else { return described };
+        if config.mode == RedisMode::Cluster {
+            return described;
+        }
+        let db = node_infos(&config.url, None)
+            .ok()
+            .and_then(|nodes| nodes.first().map(|info| info.redis_settings().db()))
+            .unwrap_or(0);
+        if db == 0 {
+            described
+        } else {
+            format!("{described} db {db}")
+        }
+    }
+
+    /// Streams whose marks were forgotten to stay within `MAX_STREAMS` (src/sink/marks.rs).
+    pub fn marks_forgotten(&self) -> u64 {
+        self.marks.forgotten
+    }
+
     pub fn is_connected(&self) -> bool {
         self.single.is_some() || !self.nodes.is_empty()
     }
@@ -94,7 +149,7 @@ impl RedisSink {
 
     /// Every node the URL names, parsed, with the password file applied.
     fn listed_nodes(config: &RedisConfig) -> Result<Vec<ConnectionInfo>, BrokerError> {
-        node_urls(&config.url).iter().map(|url| connection_info(url, config.password_file.as_deref())).collect()
+        node_infos(&config.url, config.password_file.as_deref())
     }
 
     /// The Standalone or Sentinel connection, connected if needed.
@@ -126,6 +181,7 @@ impl RedisSink {
             };
             self.max_argument = node::max_argument(&mut connection);
             self.single = Some(connection);
+            self.marks.reconnected();
         }
         // The branch above either filled the slot or returned.
         self.single.as_mut().ok_or_else(|| BrokerError("no connection".into()))
@@ -142,6 +198,7 @@ impl RedisSink {
                 self.max_argument = node::max_argument(&mut connection);
             }
             self.nodes.insert(addr.clone(), connection);
+            self.marks.reconnected();
         }
         self.nodes.get_mut(addr).ok_or_else(|| BrokerError("no connection".into()))
     }
@@ -204,8 +261,7 @@ impl RedisSink {
     pub fn publish(
         &mut self,
         events: &[OutboxEvent],
-        stream_template: &str,
-        maxlen: Option<u64>,
+        entries: &EntrySettings,
     ) -> Result<Vec<EntryOutcome>, BrokerError> {
         if events.is_empty() {
             return Ok(Vec::new());
@@ -213,6 +269,7 @@ impl RedisSink {
         let _quiet = node::SignalsDeferred::new();
         // Connect first: that is where the size limit below is learnt.
         self.connect_any()?;
+        self.check_marks()?;
         let (mut outcomes, sendable) = refuse_oversized(events, self.max_argument.unwrap_or(DEFAULT_MAX_ARGUMENT));
         // With the limit unknown, an event that may be over it is sent in an exchange of its own,
         // so that if Redis closes the connection on it, the failure points at that event.
@@ -227,7 +284,7 @@ impl RedisSink {
             }
             let lone_suspect = segment.len() == 1
                 && suspect_above.is_some_and(|limit| events[segment[0]].largest_argument().1 as u64 > limit);
-            match self.exchange_segment(events, &segment, stream_template, maxlen) {
+            match self.exchange_segment(events, &segment, entries) {
                 Ok(sent) => {
                     for (index, outcome) in segment.into_iter().zip(sent) {
                         // A later part must not overtake an event that did not go through.
@@ -290,46 +347,23 @@ impl RedisSink {
         &mut self,
         events: &[OutboxEvent],
         indexes: &[usize],
-        stream_template: &str,
-        maxlen: Option<u64>,
+        entries: &EntrySettings,
     ) -> Result<Vec<EntryOutcome>, BrokerError> {
         let config = self.config()?;
         let (mode, timeout, wait_replicas) = (config.mode, config.timeout, config.wait_replicas);
         let deadline = Instant::now() + timeout;
-        let keys: Vec<String> = indexes.iter().map(|&i| events[i].stream_key(stream_template)).collect();
-        let maxlen = maxlen.map(|n| n.to_string());
+        let keys: Vec<String> = indexes.iter().map(|&i| events[i].stream_key(&entries.stream_template)).collect();
+        let xadd = Xadd::new(entries);
         let write = |pipeline: &mut Pipeline, position: usize| {
-            write_xadd(pipeline, &events[indexes[position]], &keys[position], maxlen.as_deref())
+            xadd.write(pipeline, &events[indexes[position]], &keys[position])
         };
         if mode != RedisMode::Cluster {
-            let mut pipeline = Pipeline::default();
-            pipeline.begin_block(false);
-            for position in 0..indexes.len() {
-                write(&mut pipeline, position);
-            }
-            pipeline.end_block();
-            pipeline.wait(wait_replicas, timeout / 2);
+            let pipeline = single_pipeline(events, indexes, &keys, &xadd, wait_replicas, timeout);
             let connection = self.single()?;
             let exchanged = pipeline.send(connection).and_then(|_| pipeline.receive(connection, deadline));
-            if !matches!(&exchanged, Ok(sent) if !sent.connection_closed) {
-                // Replies may still be in flight, or Redis closed the connection after a protocol
-                // error: this connection's stream can no longer be trusted.
-                self.single = None;
-            }
-            return match exchanged?.blocks.pop() {
-                Some(BlockReply::Outcomes(outcomes)) => Ok(outcomes),
-                Some(BlockReply::Redirected(redirect)) => {
-                    self.single = None;
-                    Err(BrokerError(format!(
-                        "Redis answered {} for slot {} (served by {}:{}): it is a Redis Cluster node; set outbox.redis_mode = cluster",
-                        if redirect.ask { "ASK" } else { "MOVED" },
-                        redirect.slot,
-                        redirect.host,
-                        redirect.port
-                    )))
-                }
-                None => Err(BrokerError("Redis sent no reply for the batch".into())),
-            };
+            let outcomes = self.single_outcomes(exchanged)?;
+            self.note_written(&keys, &outcomes);
+            return Ok(outcomes);
         }
 
         // Cluster: one block per slot, in order of first appearance (positions within a block keep
@@ -423,6 +457,7 @@ impl RedisSink {
                 return Err(error);
             }
             if redirected.is_empty() {
+                self.note_written(&keys, &outcomes);
                 return Ok(outcomes);
             }
             pending = redirected;
@@ -431,6 +466,168 @@ impl RedisSink {
         Err(BrokerError(format!(
             "Redis Cluster kept redirecting the batch ({MAX_REDIRECTIONS} times): slots are moving; retrying"
         )))
+    }
+
+    /// Records the entry IDs Redis returned, as the marks of their streams (`keys` and `outcomes`
+    /// in the same order).
+    fn note_written(&mut self, keys: &[String], outcomes: &[EntryOutcome]) {
+        for (key, outcome) in keys.iter().zip(outcomes) {
+            if let EntryOutcome::Published(Some(id)) = outcome {
+                self.marks.wrote(key, *id);
+            }
+        }
+    }
+
+    /// The losses found since the last call (src/sink/marks.rs).
+    pub fn take_losses(&mut self) -> Vec<Loss> {
+        std::mem::take(&mut self.losses)
+    }
+
+    /// The marks moved since the last call, for the relay to store.
+    pub fn take_dirty_marks(&mut self) -> Vec<(String, Mark)> {
+        self.marks.take_dirty()
+    }
+
+    /// Marks stored earlier (by this relay's predecessor or another relay of the database).
+    pub fn adopt_marks(&mut self, stored: Vec<(String, Mark)>) {
+        self.marks.adopt(stored);
+    }
+
+    /// When a check of the marks is due (a new connection, or `CHECK_EVERY` since the last), asks
+    /// Redis for each marked stream's last generated ID and keeps the losses found. Runs before
+    /// anything is written on a new connection: a write to a stream Redis lost would create it
+    /// again with a later ID and hide the loss. `Err` only when Redis fails as a whole.
+    fn check_marks(&mut self) -> Result<(), BrokerError> {
+        if !self.marks.check_due() || self.check_refused.is_some() {
+            return Ok(());
+        }
+        let streams = self.marks.streams();
+        let mode = self.config()?.mode;
+        let mut found = Vec::with_capacity(streams.len());
+        if mode == RedisMode::Cluster {
+            for stream in &streams {
+                let slot = key_slot(stream.as_bytes());
+                let master = self.slots.as_ref().and_then(|map| map.master_of(slot)).cloned();
+                let Some(master) = master else { return Ok(()) };
+                let connection = self.node(&master)?;
+                match last_generated_ids(connection, std::slice::from_ref(stream)) {
+                    Ok(mut ids) => found.append(&mut ids),
+                    Err(LastIdError::Refused(error)) => {
+                        self.check_refused = Some(error);
+                        return Ok(());
+                    }
+                    Err(LastIdError::Failed(error)) => {
+                        self.lost_node(&master);
+                        return Err(error);
+                    }
+                }
+            }
+        } else {
+            let connection = self.single()?;
+            match last_generated_ids(connection, &streams) {
+                Ok(ids) => found = ids,
+                Err(LastIdError::Refused(error)) => {
+                    self.check_refused = Some(error);
+                    return Ok(());
+                }
+                Err(LastIdError::Failed(error)) => {
+                    self.single = None;
+                    return Err(error);
+                }
+            }
+        }
+        let losses = self.marks.compare(found);
+        let lost = losses.len();
+        self.losses.extend(losses);
+        if lost > 0 && self.config()?.replay_losses_first {
+            // Nothing more is written before the relays have replayed what Redis lost, so that
+            // the replayed events come before later ones in their streams (src/relay/worker.rs).
+            return Err(BrokerError(format!(
+                "Redis lost entries of {lost} streams it had acknowledged; the relays replay them before anything else (outbox.replay_on_loss)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The outcomes of a single node's exchange; a connection whose stream can no longer be
+    /// trusted is dropped.
+    fn single_outcomes(
+        &mut self,
+        exchanged: Result<node::Exchanged, BrokerError>,
+    ) -> Result<Vec<EntryOutcome>, BrokerError> {
+        if !matches!(&exchanged, Ok(sent) if !sent.connection_closed) {
+            // Replies may still be in flight, or Redis closed the connection after a protocol
+            // error: this connection's stream can no longer be trusted.
+            self.single = None;
+        }
+        match exchanged?.blocks.pop() {
+            Some(BlockReply::Outcomes(outcomes)) => Ok(outcomes),
+            Some(BlockReply::Redirected(redirect)) => {
+                self.single = None;
+                Err(BrokerError(format!(
+                    "Redis answered {} for slot {} (served by {}:{}): it is a Redis Cluster node; set outbox.redis_mode = cluster",
+                    if redirect.ask { "ASK" } else { "MOVED" },
+                    redirect.slot,
+                    redirect.host,
+                    redirect.port
+                )))
+            }
+            None => Err(BrokerError("Redis sent no reply for the batch".into())),
+        }
+    }
+
+    /// Sends a batch and returns without reading the replies, so that the relay can read its next
+    /// round while Redis executes this one (`publish_end` reads them). Only a batch that is one
+    /// exchange with one node is sent now: a Cluster's, or one split around events that may be
+    /// over Redis's argument limit, is sent whole by `publish_end`, as `publish` does.
+    pub fn publish_begin(&mut self, events: &[OutboxEvent], entries: &EntrySettings) -> Result<Sent, BrokerError> {
+        if events.is_empty() || self.config()?.mode == RedisMode::Cluster {
+            return Ok(Sent(None));
+        }
+        let _quiet = node::SignalsDeferred::new();
+        self.connect_any()?;
+        self.check_marks()?;
+        let Some(max_argument) = self.max_argument else { return Ok(Sent(None)) };
+        let (outcomes, sendable) = refuse_oversized(events, max_argument);
+        let config = self.config()?;
+        let (timeout, wait_replicas) = (config.timeout, config.wait_replicas);
+        let keys: Vec<String> = sendable.iter().map(|&i| events[i].stream_key(&entries.stream_template)).collect();
+        let pipeline = single_pipeline(events, &sendable, &keys, &Xadd::new(entries), wait_replicas, timeout);
+        let connection = self.single()?;
+        if let Err(error) = pipeline.send(connection) {
+            self.single = None;
+            return Err(error);
+        }
+        Ok(Sent(Some(InFlight { outcomes, sendable, keys, pipeline })))
+    }
+
+    /// Reads the replies of a batch `publish_begin` sent (or publishes it now, if it did not):
+    /// the same outcomes `publish` gives. `events` are the ones given to `publish_begin`.
+    pub fn publish_end(
+        &mut self,
+        sent: Sent,
+        events: &[OutboxEvent],
+        entries: &EntrySettings,
+    ) -> Result<Vec<EntryOutcome>, BrokerError> {
+        let Some(InFlight { mut outcomes, sendable, keys, pipeline }) = sent.0 else {
+            return self.publish(events, entries);
+        };
+        if sendable.is_empty() {
+            return Ok(outcomes);
+        }
+        let _quiet = node::SignalsDeferred::new();
+        // The deadline counts from now: the relay read its next round meanwhile.
+        let deadline = Instant::now() + self.config()?.timeout;
+        let exchanged = match self.single.as_mut() {
+            Some(connection) => pipeline.receive(connection, deadline),
+            None => Err(BrokerError("the connection to Redis was closed before the batch's replies were read".into())),
+        };
+        let sent = self.single_outcomes(exchanged)?;
+        self.note_written(&keys, &sent);
+        for (index, outcome) in sendable.into_iter().zip(sent) {
+            outcomes[index] = outcome;
+        }
+        Ok(outcomes)
     }
 
     /// Where a redirected block goes next: MOVED also updates the slot map (until the next full
@@ -466,22 +663,67 @@ impl RedisSink {
     }
 }
 
-/// Writes the XADD of one event to `key` (`MAXLEN ~ maxlen` when trimming) into the pipeline.
-fn write_xadd(pipeline: &mut Pipeline, event: &OutboxEvent, key: &str, maxlen: Option<&str>) {
-    let trim = if maxlen.is_some() { 3 } else { 0 };
-    pipeline.entry(3 + trim + 2 * event.field_count());
-    pipeline.arg(b"XADD");
-    pipeline.arg(key.as_bytes());
-    if let Some(maxlen) = maxlen {
-        pipeline.arg(b"MAXLEN");
-        pipeline.arg(b"~");
-        pipeline.arg(maxlen.as_bytes());
+/// A batch `publish_begin` sent, its replies unread; `None` when it was not sent yet.
+pub struct Sent(Option<InFlight>);
+
+struct InFlight {
+    /// Outcomes decided before sending (events refused for their size), the rest NotSent.
+    outcomes: Vec<EntryOutcome>,
+    /// The events sent, in the pipeline's order, and their stream keys.
+    sendable: Vec<usize>,
+    keys: Vec<String>,
+    pipeline: Pipeline,
+}
+
+/// The one MULTI/EXEC block of a single node's exchange: the events at `indexes` to their `keys`,
+/// and the WAIT for replicas when asked.
+fn single_pipeline(
+    events: &[OutboxEvent],
+    indexes: &[usize],
+    keys: &[String],
+    xadd: &Xadd,
+    wait_replicas: u32,
+    timeout: std::time::Duration,
+) -> Pipeline {
+    let mut pipeline = Pipeline::default();
+    pipeline.begin_block(false);
+    for (&index, key) in indexes.iter().zip(keys) {
+        xadd.write(&mut pipeline, &events[index], key);
     }
-    pipeline.arg(b"*");
-    event.for_each_field(|field, value| {
-        pipeline.arg(field.as_bytes());
-        pipeline.arg(value.as_bytes());
-    });
+    pipeline.end_block();
+    pipeline.wait(wait_replicas, timeout / 2);
+    pipeline
+}
+
+/// How an exchange writes each event's XADD: `MAXLEN ~ maxlen` when trimming, the fields in the
+/// entry format.
+struct Xadd<'a> {
+    maxlen: Option<String>,
+    format: &'a EntryFormat,
+}
+
+impl<'a> Xadd<'a> {
+    fn new(entries: &'a EntrySettings) -> Self {
+        Xadd { maxlen: entries.maxlen.map(|n| n.to_string()), format: &entries.format }
+    }
+
+    /// Writes the XADD of `event` to `key` into the pipeline.
+    fn write(&self, pipeline: &mut Pipeline, event: &OutboxEvent, key: &str) {
+        let trim = if self.maxlen.is_some() { 3 } else { 0 };
+        pipeline.entry(3 + trim + 2 * event.field_count(self.format));
+        pipeline.arg(b"XADD");
+        pipeline.arg(key.as_bytes());
+        if let Some(maxlen) = &self.maxlen {
+            pipeline.arg(b"MAXLEN");
+            pipeline.arg(b"~");
+            pipeline.arg(maxlen.as_bytes());
+        }
+        pipeline.arg(b"*");
+        event.for_each_field(self.format, |field, value| {
+            pipeline.arg(field.as_bytes());
+            pipeline.arg(value.as_bytes());
+        });
+    }
 }
 
 fn aggregate_of(event: &OutboxEvent) -> (&str, &str) {
@@ -543,20 +785,27 @@ fn refuse_oversized(events: &[OutboxEvent], max_argument: u64) -> (Vec<EntryOutc
 mod tests {
     use super::*;
 
-    #[test]
-    fn oversized_events_are_refused_and_hold_back_their_aggregate_only() {
-        let event = |id: i64, aggregate_id: &str, payload_len: usize| OutboxEvent {
+    /// An event of `payload_len` bytes whose `event_id` is `e{id}`.
+    fn event(id: i64, aggregate_id: &str, aggregate_seq: i64, payload_len: usize) -> OutboxEvent {
+        OutboxEvent {
             id,
             event_id: format!("e{id}"),
             aggregate_type: "t".into(),
             aggregate_id: aggregate_id.into(),
-            aggregate_seq: id,
+            aggregate_seq,
             event_type: "x".into(),
             payload: "p".repeat(payload_len),
             headers: None,
+            trace: None,
             stream: None,
             created_at: String::new(),
-        };
+            replay: None,
+        }
+    }
+
+    #[test]
+    fn oversized_events_are_refused_and_hold_back_their_aggregate_only() {
+        let event = |id: i64, aggregate_id: &str, payload_len: usize| event(id, aggregate_id, id, payload_len);
         let events = [event(1, "a", 10), event(2, "a", 2000), event(3, "b", 10), event(4, "a", 10)];
         let (outcomes, sendable) = refuse_oversized(&events, 1000);
         assert_eq!(sendable, [0, 2]);
@@ -566,18 +815,7 @@ mod tests {
 
     #[test]
     fn with_the_limit_unknown_large_events_go_alone_in_batch_order() {
-        let event = |id: i64, payload_len: usize| OutboxEvent {
-            id,
-            event_id: format!("e{id}"),
-            aggregate_type: "t".into(),
-            aggregate_id: id.to_string(),
-            aggregate_seq: 1,
-            event_type: "x".into(),
-            payload: "p".repeat(payload_len),
-            headers: None,
-            stream: None,
-            created_at: String::new(),
-        };
+        let event = |id: i64, payload_len: usize| event(id, &id.to_string(), 1, payload_len);
         let events = [event(1, 10), event(2, 10), event(3, 5000), event(4, 10), event(5, 6000), event(6, 7000)];
         let all = [0, 1, 2, 3, 4, 5];
         assert_eq!(segments(&events, &all, None), vec![all.to_vec()]);
