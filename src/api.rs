@@ -1,5 +1,5 @@
 //! SQL-callable functions implemented in Rust, all in schema `outbox`: the pieces SQL cannot do
-//! itself, the relays' status, and the checks `outbox_enqueue` (src/enqueue.rs) makes.
+//! itself, the relays' status, and the checks `outbox_enqueue` (src/enqueue/mod.rs) makes.
 
 use pgrx::prelude::*;
 
@@ -11,14 +11,8 @@ mod outbox {
     use pgrx::pg_sys::panic::ErrorReport;
     use pgrx::prelude::*;
 
-    use crate::{claims, guc, shmem};
-
-    /// Generates a UUIDv7: time-ordered, so the unique index on `event_id` grows at its right edge
-    /// (like the id index) instead of touching a random page per insert.
-    #[pg_extern(volatile, parallel_safe)]
-    fn uuid_generate_v7() -> pgrx::Uuid {
-        pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
-    }
+    use crate::guc;
+    use crate::shared::{self, in_flight};
 
     /// Refuses, for `outbox_enqueue`, when no relay would deliver the event: the library is not
     /// preloaded, or `outbox.databases` leaves this database out.
@@ -30,6 +24,18 @@ mod outbox {
                 "outbox_enqueue",
             )
             .set_hint("Add outbox_pg to shared_preload_libraries in postgresql.conf and restart PostgreSQL.")
+            .report(PgLogLevel::ERROR);
+        }
+        if this_database_is_a_template() {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                format!(
+                    "database \"{}\" is a template, and outbox_pg relays no template database, so no relay would deliver this event",
+                    current_database()
+                ),
+                "outbox_enqueue",
+            )
+            .set_hint("Enqueue in the databases created from it, or make it an ordinary database (ALTER DATABASE ... IS_TEMPLATE false).")
             .report(PgLogLevel::ERROR);
         }
         if let Some(relayed) = guc::databases() {
@@ -54,12 +60,75 @@ mod outbox {
                 .report(PgLogLevel::ERROR);
             }
         }
+        // Last: it may wait for the launcher's decision (only without an entry, in the seconds
+        // after a start or while it probes databases for outbox_pg).
+        let left_out_hint = "Raise outbox.max_databases (a restart), relay fewer databases (outbox.databases names the ones to relay, in the order they are preferred), or drop outbox_pg from databases that do not need it; the server log's WARNING names every database left out.";
+        match shared::await_decision(DECISION_WAIT) {
+            shared::Decision::Relayed => {}
+            shared::Decision::LeftOut => {
+                ErrorReport::new(
+                    PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                    left_out_message(),
+                    "outbox_enqueue",
+                )
+                .set_hint(left_out_hint)
+                .report(PgLogLevel::ERROR);
+            }
+            shared::Decision::Undecided => {
+                ErrorReport::new(
+                    PgSqlErrorCode::ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE,
+                    format!(
+                        "database \"{}\" has no relay yet: the outbox_pg launcher has not decided within {}s which databases it relays (outbox.max_databases), so this event might never be delivered",
+                        current_database(),
+                        DECISION_WAIT.as_secs()
+                    ),
+                    "outbox_enqueue",
+                )
+                .set_hint("Try again; if it persists, check that the outbox_pg launcher runs (pg_stat_activity, backend_type 'outbox_pg launcher') and the server log for its WARNINGs (max_worker_processes).")
+                .report(PgLogLevel::ERROR);
+            }
+        }
+    }
+
+    /// How long `outbox_enqueue` in a database without relays waits for the launcher to decide
+    /// whether it gets some (it decides within a second or two of a start).
+    const DECISION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+    fn left_out_message() -> String {
+        format!(
+            "database \"{}\" has no relay: outbox_pg already relays {} databases (outbox.max_databases), so no relay would deliver its events",
+            current_database(),
+            shared::database_entries()
+        )
+    }
+
+    /// Whether this database is a template (`pg_database.datistemplate`): the launcher relays none.
+    fn this_database_is_a_template() -> bool {
+        // SAFETY: a syscache lookup of this backend's own database, released before returning.
+        unsafe {
+            let tuple = pg_sys::SearchSysCache1(
+                pg_sys::SysCacheIdentifier::DATABASEOID as i32,
+                pg_sys::Datum::from(pg_sys::MyDatabaseId),
+            );
+            if tuple.is_null() {
+                return false;
+            }
+            let template = (*pg_sys::heap_tuple_get_struct::<pg_sys::FormData_pg_database>(tuple)).datistemplate;
+            pg_sys::ReleaseSysCache(tuple);
+            template
+        }
+    }
+
+    /// Why no relay serves this database although it would be relayed: every entry of shared memory
+    /// serves another database (outbox.stats shows it as last_error; outbox_enqueue refuses).
+    pub(crate) fn left_out_reason() -> Option<String> {
+        shared::left_out_for_lack_of_entries().then(left_out_message)
     }
 
     /// Refuses, for `outbox_enqueue`, a stream `outbox.allowed_streams` does not permit.
     pub(crate) fn check_allowed_stream(aggregate_type: &str, event_type: &str, stream: Option<&str>) {
         let patterns = guc::allowed_streams();
-        if !crate::streams::allows_every_stream(&patterns) {
+        if !crate::enqueue::streams::allows_every_stream(&patterns) {
             check_stream(&patterns, aggregate_type, event_type, stream);
         }
     }
@@ -71,7 +140,7 @@ mod outbox {
             Some(stream) => stream.to_string(),
             None => crate::render_stream_template(&template, aggregate_type, event_type),
         };
-        if !crate::streams::allowed(patterns, &key) {
+        if !crate::enqueue::streams::allowed(patterns, &key) {
             let source = if stream.is_some() {
                 "the stream argument".to_string()
             } else {
@@ -81,7 +150,7 @@ mod outbox {
                 PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
                 format!(
                     "outbox_enqueue: stream \"{}\" ({source}) is not allowed by outbox.allowed_streams",
-                    crate::streams::shown(&key)
+                    crate::enqueue::streams::shown(&key)
                 ),
                 "outbox_enqueue",
             )
@@ -92,16 +161,65 @@ mod outbox {
         }
     }
 
-    /// Whether a transaction is enqueuing for this aggregate right now (src/order.rs).
-    #[pg_extern(volatile, parallel_unsafe, name = "_enqueue_in_progress")]
-    fn enqueue_in_progress(aggregate_type: &str, aggregate_id: &str) -> bool {
-        crate::order::enqueue_in_progress(aggregate_type, aggregate_id)
+    /// `outbox._check_allowed_stream(stream)`: refuses (42501) a stream `outbox.allowed_streams`
+    /// does not allow, for `outbox.replay`'s `into`.
+    #[pg_extern(volatile, parallel_unsafe, name = "_check_allowed_stream")]
+    fn check_allowed_stream_for_replay(stream: &str) {
+        let patterns = guc::allowed_streams();
+        if !crate::enqueue::streams::allows_every_stream(&patterns)
+            && !crate::enqueue::streams::allowed(&patterns, stream)
+        {
+            ErrorReport::new(
+                PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
+                format!(
+                    "outbox.replay: stream \"{}\" (into) is not allowed by outbox.allowed_streams",
+                    crate::enqueue::streams::shown(stream)
+                ),
+                "outbox.replay",
+            )
+            .set_hint(format!(
+                "Allowed streams match one of these patterns: '{patterns}'. Replay into such a stream, or have a superuser extend outbox.allowed_streams."
+            ))
+            .report(PgLogLevel::ERROR);
+        }
     }
 
-    /// The shard (0..15) of an aggregate: which relay's unit of work its events belong to.
-    #[pg_extern(immutable, parallel_safe, name = "_shard_of")]
+    /// `outbox._wake_for_replay()`: a replay was asked for; the relays of this database look as
+    /// soon as the asking transaction commits (before, their claim would not see it).
+    #[pg_extern(volatile, parallel_unsafe, name = "_wake_for_replay")]
+    fn wake_for_replay() {
+        crate::enqueue::wake::replay_at_commit();
+    }
+
+    /// The next transaction id to be assigned (`ReadNextFullTransactionId`): every transaction
+    /// that has an id now has a lower one. Retention's bound on the writers of a switched table
+    /// (outbox._retention); a snapshot's xmax is not such a bound, being one above the latest
+    /// *completed* id.
+    #[pg_extern(volatile, parallel_unsafe, name = "_next_xid")]
+    fn next_xid() -> i64 {
+        // SAFETY: reads the shared transaction-id counter under its lock; no preconditions.
+        unsafe { pg_sys::ReadNextFullTransactionId() }.value as i64
+    }
+
+    /// Whether a transaction is enqueuing for this aggregate right now (src/enqueue/order.rs).
+    #[pg_extern(volatile, parallel_unsafe, name = "_enqueue_in_progress")]
+    fn enqueue_in_progress(aggregate_type: &str, aggregate_id: &str) -> bool {
+        crate::enqueue::order::enqueue_in_progress(aggregate_type, aggregate_id)
+    }
+
+    /// Keeps transactions past the order-lock cap out until the end of the caller's transaction;
+    /// false (without waiting) while one runs (src/enqueue/order.rs). For `outbox.forget_aggregates`.
+    #[pg_extern(volatile, parallel_unsafe, name = "_exclude_transactions_past_the_cap")]
+    fn exclude_transactions_past_the_cap() -> bool {
+        crate::enqueue::order::exclude_transactions_past_the_cap()
+    }
+
+    /// `tests.shard_of` (src/sql/test_helpers.sql, test build only): the shard (0..15) of an
+    /// aggregate, which relay's unit of work its events belong to.
+    #[cfg(any(test, feature = "pg_test"))]
+    #[pg_extern(sql = false)]
     fn shard_of(aggregate_type: &str, aggregate_id: &str) -> i16 {
-        crate::order::shard_of(aggregate_type, aggregate_id)
+        crate::enqueue::order::shard_of(aggregate_type, aggregate_id)
     }
 
     /// The role the caller acts as, outside any SECURITY DEFINER function: inside one (such as
@@ -134,11 +252,17 @@ mod outbox {
         })
     }
 
+    /// Now, as a PostgreSQL timestamp (µs since 2000).
+    fn now_us() -> i64 {
+        // SAFETY: reads the clock; no preconditions.
+        unsafe { pg_sys::GetCurrentTimestamp() }
+    }
+
     /// Process id of the running relay worker, or NULL when none runs.
     #[pg_extern(volatile, parallel_safe)]
     fn relay_pid() -> Option<i32> {
-        if crate::preloaded() && shmem::relays_serve_this_database() {
-            shmem::relay_pid()
+        if crate::preloaded() && shared::relays_serve_this_database() {
+            shared::relay_pid()
         } else {
             None
         }
@@ -147,7 +271,7 @@ mod outbox {
     /// Whether the relay's last contact with Redis succeeded.
     #[pg_extern(volatile, parallel_safe)]
     fn redis_connected() -> bool {
-        crate::preloaded() && shmem::relays_serve_this_database() && shmem::redis_connected()
+        crate::preloaded() && shared::relays_serve_this_database() && shared::redis_connected()
     }
 
     /// One row per running relay: its slot, pid, and the round it has in flight (events it is
@@ -165,13 +289,13 @@ mod outbox {
             name!(claim_expired, bool),
         ),
     > {
-        if !crate::preloaded() || !shmem::relays_serve_this_database() {
+        if !crate::preloaded() || !shared::relays_serve_this_database() {
             return TableIterator::new(Vec::new());
         }
-        let held = claims::held(guc::lease());
-        let rows: Vec<_> = (0..shmem::MAX_RELAYS)
+        let held = in_flight::held(guc::lease());
+        let rows: Vec<_> = (0..shared::MAX_RELAYS)
             .filter_map(|slot| {
-                let pid = shmem::relay_pid_in(slot)?;
+                let pid = shared::relay_pid_in(slot)?;
                 let claim = held.iter().find(|(held_slot, ..)| *held_slot == slot);
                 Some((
                     slot as i32,
@@ -203,17 +327,18 @@ mod outbox {
         ),
     > {
         let (pid, workers, connected, error, in_flight, published) =
-            if crate::preloaded() && shmem::relays_serve_this_database() {
+            if crate::preloaded() && shared::relays_serve_this_database() {
                 (
-                    shmem::relay_pid(),
-                    shmem::relays_running(),
-                    shmem::redis_connected(),
-                    shmem::last_error(),
-                    claims::in_flight_count(guc::lease()),
-                    shmem::published_total(),
+                    shared::relay_pid(),
+                    shared::relays_running(),
+                    shared::redis_connected(),
+                    shared::last_error(),
+                    in_flight::in_flight_count(guc::lease()),
+                    shared::published_total(),
                 )
             } else {
-                (None, 0, false, None, 0, 0)
+                let left_out = crate::preloaded().then(left_out_reason).flatten();
+                (None, 0, false, left_out.map(|reason| (reason, now_us())), 0, 0)
             };
         let (message, at) = match error {
             Some((message, at)) => (Some(message), TimestampWithTimeZone::try_from(at).ok()),

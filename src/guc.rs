@@ -2,8 +2,18 @@
 //! accessors. Settings the relays read are `SUSET`, so that each database can have its own with
 //! `ALTER DATABASE ... SET` (a relay starts again when its database's settings change); those the
 //! launcher reads for all databases (`outbox.databases`, `outbox.workers`) are `SIGHUP`, or
-//! `POSTMASTER` when they shape worker registration. Settings that may hold a secret are
+//! `POSTMASTER` when they shape worker registration or shared memory (`outbox.max_databases`).
+//! The trace context an application passes to `outbox_enqueue` (`outbox.traceparent`,
+//! `outbox.tracestate`) is `USERSET`, meant for `SET LOCAL`. Settings that may hold a secret are
 //! `SUPERUSER_ONLY` and never logged.
+//!
+//! Each setting is described once for PostgreSQL, in its registration below (what `pg_settings`
+//! shows), and once for people, in README's "Settings" table; a pg_test at the end checks that the
+//! table lists exactly these settings with these defaults. The statics say only their default and
+//! when a change takes effect.
+//!
+//! One file, longer than most, on purpose: every setting is declared, registered and read here,
+//! so that there is one place to look for any of them (ParadeDB's and plrust's gucs.rs do the same).
 
 use std::ffi::CString;
 use std::os::raw::c_char;
@@ -13,89 +23,62 @@ use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use pgrx::{pg_sys, PostgresGucEnum};
 
 use crate::sink::redis::redact_url;
+pub use crate::sink::RedisMode;
 
-/// `outbox.redis_url` (default `redis://127.0.0.1:6379`, reload): where the relay publishes.
-/// `redis://` or `rediss://`, may carry a user and password; shown to superusers only, masked.
+/// `outbox.redis_url` (default `redis://127.0.0.1:6379`, reload).
 static REDIS_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379"));
 
-/// `outbox.redis_password_file` (default empty, reload): a file holding the Redis password, so
-/// that the password appears in no setting and no log line. Read at every (re)connect.
+/// `outbox.redis_password_file` (default empty, reload).
 static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
-/// `outbox.redis_tls_ca_file`, `outbox.redis_tls_cert_file`, `outbox.redis_tls_key_file` (default
-/// empty, reload): CA certificates to verify a `rediss://` server against (empty: the system's
-/// roots), and the client certificate and key for servers that require mutual TLS.
+/// `outbox.redis_tls_ca_file`, `outbox.redis_tls_cert_file`, `outbox.redis_tls_key_file`
+/// (default empty, reload).
 static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static REDIS_TLS_CERT_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static REDIS_TLS_KEY_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
-/// How the relay finds where to write: one node, a master through Sentinel, or a Cluster.
-#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
-pub enum RedisMode {
-    /// `outbox.redis_url` is the one node.
-    #[name = c"standalone"]
-    Standalone,
-    /// `outbox.redis_url` lists the sentinels; they name the master `outbox.redis_sentinel_master`.
-    #[name = c"sentinel"]
-    Sentinel,
-    /// `outbox.redis_url` lists seed nodes of a Redis Cluster.
-    #[name = c"cluster"]
-    Cluster,
-}
-
 /// `outbox.redis_mode` (default `standalone`, reload).
 static REDIS_MODE: GucSetting<RedisMode> = GucSetting::<RedisMode>::new(RedisMode::Standalone);
 
-/// `outbox.redis_sentinel_master` (default empty, reload): the master's name in Sentinel mode.
+/// `outbox.redis_sentinel_master` (default empty, reload).
 static REDIS_SENTINEL_MASTER: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
-/// `outbox.redis_wait_replicas` (default 0, reload): replicas that must acknowledge a batch
-/// (`WAIT`) before it counts as published, so that a failover cannot lose it.
+/// `outbox.redis_wait_replicas` (default 0, reload).
 static REDIS_WAIT_REPLICAS: GucSetting<i32> = GucSetting::<i32>::new(0);
 
-/// `outbox.redis_timeout` (default 5s, reload): connect, read and write timeout towards Redis.
+/// `outbox.redis_timeout` (default 5s, reload).
 static REDIS_TIMEOUT_MS: GucSetting<i32> = GucSetting::<i32>::new(5_000);
 
-/// `outbox.databases` (default empty = every database that has the extension, reload): the
-/// databases the launcher may relay, comma-separated names.
+/// `outbox.databases` (default empty = every database that has the extension, reload).
 static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
-/// `outbox.database` (retired, restart): 0.1's single relayed database. Still honoured while
-/// `outbox.databases` is empty, as if it listed this one database, with a LOG line saying so.
+/// `outbox.database` (retired, restart).
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
-/// `outbox.workers` (default 1, reload): relay workers sharing the load. Per-aggregate order holds
-/// across them (ordered claims); each commit wakes them all.
+/// `outbox.workers` (default 1, reload).
 static WORKERS: GucSetting<i32> = GucSetting::<i32>::new(1);
 
-/// `outbox.batch_size` (default 100, reload): due events a round takes from the failure path (the
-/// log is read a whole window at a time: docs/worker.md).
+/// `outbox.batch_size` (default 100, reload).
 static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 
-/// `outbox.poll_interval` (default 1s, reload): safety-net poll; commits wake the relay at once.
+/// `outbox.poll_interval` (default 1s, reload).
 static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 
-/// `outbox.stream` (default `outbox:{aggregate_type}`, reload): stream key template for events
-/// enqueued without an explicit stream. `{aggregate_type}` and `{event_type}` are substituted.
+/// `outbox.stream` (default `outbox:{aggregate_type}`, reload).
 static STREAM_TEMPLATE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox:{aggregate_type}"));
 
-/// `outbox.stream_maxlen` (default 0 = never trim, reload): approximate `MAXLEN ~` for XADD.
+/// `outbox.stream_maxlen` (default 0 = never trim, reload).
 static STREAM_MAXLEN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
-/// `outbox.max_payload_size` (default 1MB, at most 512MB, superuser may change per session):
-/// largest payload, as JSON text, that `outbox_enqueue` accepts. The ceiling is Redis's own
-/// default limit for one argument (`proto-max-bulk-len`).
+/// `outbox.max_payload_size` (default 1MB, at most 512MB, superuser may change per session).
 static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 pub const MAX_PAYLOAD_SIZE_CEILING: i32 = 512 * 1024 * 1024;
 
-/// `outbox.allowed_streams` (default `*`, superuser only): comma-separated glob patterns of the
-/// Redis keys events may be written to, checked at enqueue (see src/streams.rs).
+/// `outbox.allowed_streams` (default `*`, superuser only).
 static ALLOWED_STREAMS: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"*"));
 
-/// `outbox.lease` (default 30s, reload): how long a claim may go unsettled before its events are
-/// claimed again by others (its relay or session hung or lost its connection). A relay's claim
-/// lives in shared memory; a session's claim is a `publishing` row, returned to `pending`.
+/// `outbox.lease` (default 30s, reload).
 static LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
 
 /// How events of one aggregate are ordered on their way to Redis.
@@ -112,41 +95,52 @@ pub enum Ordering {
 /// `outbox.ordering` (default `aggregate`, reload).
 static ORDERING: GucSetting<Ordering> = GucSetting::<Ordering>::new(Ordering::Aggregate);
 
-/// `outbox.max_attempts` (default 10, reload): rejections by Redis *caused by the event itself*
-/// after which the event is dead-lettered (`failed`). Redis-wide failures never count.
+/// `outbox.max_attempts` (default 10, reload).
 static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 
-/// `outbox.retry_delay` (default 1s, reload): first per-event backoff after a rejection; doubles
-/// per rejection, at most 5 minutes.
+/// `outbox.retry_delay` (default 1s, reload).
 static RETRY_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 
-/// `outbox.retention` (default 7 days, reload): published events older than this are deleted by
-/// the relay in small batches; 0 keeps them forever. Failed events are never deleted.
+/// `outbox.retention` (default 7 days, reload).
 static RETENTION_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 24 * 3600);
 
-/// `outbox.alert_age` (default 5min, reload): while the oldest pending event is older, the relay
-/// logs a WARNING (on crossing, then at most once a minute); 0 disables.
+/// `outbox.alert_age` (default 5min, reload).
 static ALERT_AGE_S: GucSetting<i32> = GucSetting::<i32>::new(300);
 
-/// `outbox.log_min_duration` (default 1s, reload): relay rounds and housekeeping passes that take
-/// at least this long are logged with the time of each phase; -1 disables.
+/// `outbox.log_min_duration` (default 1s, reload).
 static LOG_MIN_DURATION_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 
-/// Failures the relay can be told to inject, for tests and the demo.
+/// `outbox.enabled` (default on, reload).
+static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+
+/// `outbox.replay_on_loss` (default off, reload).
+static REPLAY_ON_LOSS: GucSetting<bool> = GucSetting::<bool>::new(false);
+
+/// The fields a stream entry carries (README, "Stream entries").
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
-pub enum FaultInjection {
-    #[name = c"none"]
-    None,
-    /// Exit right after a successful XADD, before the rows are marked published (once per arming).
-    #[name = c"crash_after_publish"]
-    CrashAfterPublish,
+pub enum EntryFormat {
+    /// outbox_pg's own fields: `event_id`, `aggregate_seq`, `payload`, ...
+    #[name = c"native"]
+    Native,
+    /// CloudEvents 1.0 attributes, one field each: `specversion`, `id`, `source`, `data`, ...
+    #[name = c"cloudevents"]
+    CloudEvents,
 }
 
-/// `outbox.fault_injection` (default `none`, reload, superuser only).
-static FAULT_INJECTION: GucSetting<FaultInjection> = GucSetting::<FaultInjection>::new(FaultInjection::None);
+/// `outbox.entry_format` (default `native`, reload).
+static ENTRY_FORMAT: GucSetting<EntryFormat> = GucSetting::<EntryFormat>::new(EntryFormat::Native);
 
-/// `outbox.enabled` (default on, reload): off makes the relay idle; enqueue keeps working.
-static ENABLED: GucSetting<bool> = GucSetting::<bool>::new(true);
+/// `outbox.cloudevents_source` (default `/outbox/{database}/{aggregate_type}`, reload).
+static CLOUDEVENTS_SOURCE: GucSetting<Option<CString>> =
+    GucSetting::<Option<CString>>::new(Some(c"/outbox/{database}/{aggregate_type}"));
+
+/// `outbox.traceparent`, `outbox.tracestate` (default empty; any role, any time, meant for
+/// `SET LOCAL` in the enqueuing transaction).
+static TRACEPARENT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+static TRACESTATE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+/// `outbox.max_databases` (default 16, server start).
+static MAX_DATABASES: GucSetting<i32> = GucSetting::<i32>::new(16);
 
 /// Registers every setting. `outbox.database` is `POSTMASTER`, which PostgreSQL only allows while
 /// preloading, so it is defined only then.
@@ -254,6 +248,16 @@ pub fn init(preloading: bool) {
         GucFlags::UNIT_MS,
     );
     if preloading {
+        GucRegistry::define_int_guc(
+            c"outbox.max_databases",
+            c"Most databases relayed at once: each has an entry in shared memory, sized at server start.",
+            c"Databases beyond it, in the order of outbox.databases or else of their OIDs, get no relay and refuse outbox_enqueue.",
+            &MAX_DATABASES,
+            1,
+            pg_sys::MAX_BACKENDS as i32,
+            GucContext::Postmaster,
+            GucFlags::empty(),
+        );
         GucRegistry::define_string_guc(
             c"outbox.database",
             c"Retired: use outbox.databases. If set while outbox.databases is empty, only this database is relayed.",
@@ -277,7 +281,7 @@ pub fn init(preloading: bool) {
         c"Each needs a slot in max_worker_processes. Per-aggregate order holds across them.",
         &WORKERS,
         1,
-        crate::shmem::MAX_RELAYS as i32,
+        crate::shared::MAX_RELAYS as i32,
         GucContext::Sighup,
         GucFlags::empty(),
     );
@@ -331,8 +335,8 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.lease",
-        c"How long a claim may go unsettled before its events are claimed again.",
-        c"Claims of a relay or session that exited are released at once; this bounds claims of a hung one.",
+        c"How old a relay's lease may grow before the other relays take its shards over.",
+        c"The shards of a relay that exited are taken at once; this bounds how long a hung relay keeps them.",
         &LEASE_MS,
         1_000,
         86_400_000,
@@ -369,8 +373,8 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.retention",
-        c"How long published events are kept before the relay deletes them; 0 keeps them forever.",
-        c"Failed events are never deleted by retention.",
+        c"How long published events are kept at least; 0 keeps them. They are removed a whole log table at a time.",
+        c"Failed events are never removed by retention; outbox.purge() removes published ones sooner on request.",
         &RETENTION_S,
         0,
         i32::MAX,
@@ -397,14 +401,8 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::UNIT_MS,
     );
-    GucRegistry::define_enum_guc(
-        c"outbox.fault_injection",
-        c"Failure the relay injects, for tests and demos: none or crash_after_publish.",
-        c"crash_after_publish makes the relay exit once, right after Redis accepted a batch and before the rows are marked published.",
-        &FAULT_INJECTION,
-        GucContext::Sighup,
-        GucFlags::SUPERUSER_ONLY,
-    );
+    #[cfg(feature = "fault-injection")]
+    crate::faults::define_setting();
     GucRegistry::define_bool_guc(
         c"outbox.enabled",
         c"Whether the relay publishes; off pauses it while enqueue keeps working.",
@@ -413,6 +411,58 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::empty(),
     );
+    GucRegistry::define_bool_guc(
+        c"outbox.replay_on_loss",
+        c"Whether the relays replay what Redis lost of a stream as soon as they notice it.",
+        c"Off: the loss is logged and shown in outbox.stats.redis_data_loss and outbox.redis_losses, and outbox.repair_losses() replays it.",
+        &REPLAY_ON_LOSS,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_enum_guc(
+        c"outbox.entry_format",
+        c"The fields of each stream entry: native (outbox_pg's own) or cloudevents (CloudEvents 1.0 attributes).",
+        c"cloudevents writes one field per attribute, as the Kafka binding's binary mode does, with data as its own field.",
+        &ENTRY_FORMAT,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    // SAFETY: the check hooks are `#[pg_guard]`ed and only read the proposed value.
+    unsafe {
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.cloudevents_source",
+            c"The source attribute of CloudEvents entries (outbox.entry_format = cloudevents).",
+            c"{database}, {aggregate_type} and {event_type} are replaced by the event's values, percent-encoded.",
+            &CLOUDEVENTS_SOURCE,
+            GucContext::Suset,
+            GucFlags::empty(),
+            Some(check_cloudevents_source),
+            None,
+            None,
+        );
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.traceparent",
+            c"W3C traceparent of the events enqueued while it is set, unless their headers carry one.",
+            c"Set it with SET LOCAL in the enqueuing transaction: outbox_enqueue stores it in the event's headers and the relay writes it as an entry field.",
+            &TRACEPARENT,
+            GucContext::Userset,
+            GucFlags::empty(),
+            Some(check_traceparent),
+            None,
+            None,
+        );
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.tracestate",
+            c"W3C tracestate that goes with outbox.traceparent.",
+            c"Set it with SET LOCAL in the enqueuing transaction, together with outbox.traceparent.",
+            &TRACESTATE,
+            GucContext::Userset,
+            GucFlags::empty(),
+            Some(check_tracestate),
+            None,
+            None,
+        );
+    }
     // SAFETY: called from _PG_init with a valid, static, NUL-terminated prefix.
     unsafe { pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
 }
@@ -519,7 +569,7 @@ pub fn parse_database_list(text: &str) -> Vec<String> {
 }
 
 pub fn workers() -> usize {
-    WORKERS.get().clamp(1, crate::shmem::MAX_RELAYS as i32) as usize
+    WORKERS.get().clamp(1, crate::shared::MAX_RELAYS as i32) as usize
 }
 
 pub fn batch_size() -> usize {
@@ -582,12 +632,51 @@ pub fn log_min_duration() -> Option<Duration> {
     Some(LOG_MIN_DURATION_MS.get()).filter(|&ms| ms >= 0).map(|ms| Duration::from_millis(ms as u64))
 }
 
-pub fn fault_injection() -> FaultInjection {
-    FAULT_INJECTION.get()
-}
-
 pub fn enabled() -> bool {
     ENABLED.get()
+}
+
+pub fn replay_on_loss() -> bool {
+    REPLAY_ON_LOSS.get()
+}
+
+pub fn entry_format() -> EntryFormat {
+    ENTRY_FORMAT.get()
+}
+
+pub fn cloudevents_source() -> String {
+    string_of(&CLOUDEVENTS_SOURCE)
+}
+
+/// A string setting's value, `None` when unset or empty; an unset one is not copied (enqueue reads
+/// these on every call).
+fn non_empty(setting: &GucSetting<Option<CString>>) -> Option<String> {
+    // SAFETY: the setting's storage, which PostgreSQL keeps NULL or pointing at a NUL-terminated
+    // string for as long as the setting has that value.
+    let unset = unsafe {
+        let raw = *setting.as_ptr();
+        raw.is_null() || *raw == 0
+    };
+    if unset {
+        None
+    } else {
+        Some(string_of(setting))
+    }
+}
+
+/// `outbox.traceparent`, `None` when not set.
+pub fn traceparent() -> Option<String> {
+    non_empty(&TRACEPARENT)
+}
+
+/// `outbox.tracestate`, `None` when not set.
+pub fn tracestate() -> Option<String> {
+    non_empty(&TRACESTATE)
+}
+
+/// `outbox.max_databases` as it was at server start (a `POSTMASTER` setting).
+pub fn max_databases() -> usize {
+    MAX_DATABASES.get().max(1) as usize
 }
 
 /// Shows `outbox.redis_url` with its password masked, in `SHOW`, `current_setting()` and
@@ -642,7 +731,7 @@ unsafe extern "C-unwind" fn check_redis_url(
     if !crate::sink::address::has_password(&value) {
         return true;
     }
-    // SAFETY: as in check_allowed_streams: palloc'd copies of static strings.
+    // SAFETY: as in check_string: palloc'd copies of static strings.
     unsafe {
         pg_sys::GUC_check_errmsg_string = pg_sys::pstrdup(
             c"outbox.redis_url may not carry a password when set with ALTER DATABASE, ALTER ROLE or a function's SET clause: every role can read those settings"
@@ -656,8 +745,34 @@ unsafe extern "C-unwind" fn check_redis_url(
     false
 }
 
-/// Refuses an `outbox.allowed_streams` that does not parse (an empty pattern, a trailing `\`),
-/// with the reason as the error's detail.
+/// A string setting's check hook body: `check` says why the proposed value cannot be, if it
+/// cannot; PostgreSQL then refuses it with 22023, naming it, with the reason as its DETAIL and
+/// `hint` as its HINT. NULL passes.
+///
+/// # Safety
+/// `newval` is what PostgreSQL passes a string setting's check hook.
+unsafe fn check_string(
+    newval: *mut *mut c_char,
+    check: impl FnOnce(&str) -> Result<(), String>,
+    hint: Option<&str>,
+) -> bool {
+    // SAFETY: per the contract above.
+    let Some(value) = (unsafe { proposed_value(newval) }) else { return true };
+    let Err(reason) = check(&value) else { return true };
+    let detail = CString::new(reason).unwrap_or_default();
+    let hint = hint.map(|hint| CString::new(hint).unwrap_or_default());
+    // SAFETY: both strings must be palloc'd, as the GUC_check_errdetail and GUC_check_errhint
+    // macros make them; pstrdup copies into the current memory context.
+    unsafe {
+        pg_sys::GUC_check_errdetail_string = pg_sys::pstrdup(detail.as_ptr());
+        if let Some(hint) = hint {
+            pg_sys::GUC_check_errhint_string = pg_sys::pstrdup(hint.as_ptr());
+        }
+    }
+    false
+}
+
+/// Refuses an `outbox.allowed_streams` that does not parse (an empty pattern, a trailing `\`).
 #[pgrx::pg_guard]
 unsafe extern "C-unwind" fn check_allowed_streams(
     newval: *mut *mut c_char,
@@ -665,21 +780,49 @@ unsafe extern "C-unwind" fn check_allowed_streams(
     _source: pg_sys::GucSource::Type,
 ) -> bool {
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
-    let Some(value) = (unsafe { proposed_value(newval) }) else { return true };
-    match crate::streams::validate(&value) {
-        Ok(()) => true,
-        Err(reason) => {
-            let detail = CString::new(reason).unwrap_or_default();
-            // SAFETY: GUC_check_errdetail_string must be palloc'd; pstrdup copies into the current
-            // memory context, as the GUC_check_errdetail macro does.
-            unsafe { pg_sys::GUC_check_errdetail_string = pg_sys::pstrdup(detail.as_ptr()) };
-            false
-        }
+    unsafe { check_string(newval, crate::enqueue::streams::validate, None) }
+}
+
+/// Refuses an `outbox.cloudevents_source` that is not a URI reference or names an unknown
+/// placeholder.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_cloudevents_source(
+    newval: *mut *mut c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pg_sys::GucSource::Type,
+) -> bool {
+    let hint = "Use a URI reference such as '/outbox/{database}/{aggregate_type}' or 'https://example.com/billing'.";
+    // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
+    unsafe { check_string(newval, crate::sink::entry::check_source_template, Some(hint)) }
+}
+
+/// Refuses an `outbox.traceparent` that is not a W3C traceparent of version 00 (empty unsets it).
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_traceparent(
+    newval: *mut *mut c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pg_sys::GucSource::Type,
+) -> bool {
+    let check = |value: &str| if value.is_empty() { Ok(()) } else { outbox_protocol::trace::check_traceparent(value) };
+    // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
+    unsafe { check_string(newval, check, Some(crate::enqueue::trace::TRACEPARENT_HINT)) }
+}
+
+/// Refuses an `outbox.tracestate` that is not a W3C tracestate.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_tracestate(
+    newval: *mut *mut c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pg_sys::GucSource::Type,
+) -> bool {
+    // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
+    unsafe {
+        check_string(newval, outbox_protocol::trace::check_tracestate, Some(crate::enqueue::trace::TRACESTATE_HINT))
     }
 }
 
 #[cfg(test)]
-mod tests {
+mod unit {
     use super::parse_database_list;
 
     #[test]
@@ -687,5 +830,90 @@ mod tests {
         assert_eq!(parse_database_list(""), Vec::<String>::new());
         assert_eq!(parse_database_list(" app , billing,,"), vec!["app", "billing"]);
         assert_eq!(parse_database_list(r#"app, "Sales, EU" ,"say ""hi""""#), vec!["app", "Sales, EU", r#"say "hi""#]);
+    }
+}
+
+/// README's "Settings" table against the settings this library defines: the same names, the same
+/// defaults (as `SHOW` prints them), so that the table can be trusted.
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use pgrx::prelude::*;
+
+    /// A default as `SHOW` prints it: a number with the largest unit that divides it exactly.
+    fn shown(value: &str, unit: Option<&str>) -> String {
+        let Ok(number) = value.parse::<i64>() else { return value.to_string() };
+        let units: &[(&str, i64)] = match unit {
+            Some("ms") => &[("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1_000), ("ms", 1)],
+            Some("s") => &[("d", 86_400), ("h", 3_600), ("min", 60), ("s", 1)],
+            Some("B") => &[("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("kB", 1 << 10), ("B", 1)],
+            Some("kB") => &[("TB", 1 << 30), ("GB", 1 << 20), ("MB", 1 << 10), ("kB", 1)],
+            _ => &[],
+        };
+        if number <= 0 {
+            return number.to_string();
+        }
+        units
+            .iter()
+            .find(|(_, size)| number % size == 0)
+            .map_or(number.to_string(), |(name, size)| format!("{}{name}", number / size))
+    }
+
+    /// README's settings table: (names in the row's first cell, the default as written).
+    fn readme_rows() -> Vec<(Vec<String>, String)> {
+        let readme = include_str!("../README.md");
+        let start = readme.find("\n## Settings\n").expect("README has a Settings section");
+        let section = &readme[start + 1..];
+        let section = &section[..section[1..].find("\n## ").map_or(section.len(), |end| end + 1)];
+        section
+            .lines()
+            .filter(|line| line.starts_with("| `outbox."))
+            .map(|line| {
+                let cells: Vec<&str> = line.split(" | ").collect();
+                let names =
+                    cells[0].split('`').filter(|part| part.starts_with("outbox.")).map(str::to_string).collect();
+                let default = cells[1].trim().trim_matches('`');
+                (names, if default == "empty" { String::new() } else { default.to_string() })
+            })
+            .collect()
+    }
+
+    #[pg_test]
+    fn readme_lists_every_setting_with_its_default() {
+        // Every setting but outbox.redis_url, which pg_settings leaves out (it may hold a password).
+        let defined: Vec<(String, String)> = Spi::connect(|client| {
+            client
+                .select(
+                    "SELECT name::text, coalesce(boot_val, ''), unit FROM pg_settings WHERE name LIKE 'outbox.%' ORDER BY name",
+                    None,
+                    &[],
+                )
+                .unwrap()
+                .map(|row| {
+                    let unit: Option<String> = row.get(3).unwrap();
+                    (row.get::<String>(1).unwrap().unwrap(), shown(&row.get::<String>(2).unwrap().unwrap(), unit.as_deref()))
+                })
+                .collect()
+        });
+        let rows = readme_rows();
+        let documented = |name: &str| rows.iter().find(|(names, _)| names.iter().any(|n| n == name));
+        for (name, default) in &defined {
+            // The retired outbox.database is described in outbox.databases' row.
+            if name == "outbox.database" {
+                continue;
+            }
+            let Some((_, written)) = documented(name) else { panic!("README's Settings table lacks {name}") };
+            assert_eq!(written, default, "README's default of {name}");
+        }
+        let (_, url_default) = documented("outbox.redis_url").expect("README documents outbox.redis_url");
+        assert_eq!(url_default, "redis://127.0.0.1:6379");
+        for (names, _) in &rows {
+            for name in names {
+                assert!(
+                    name == "outbox.redis_url" || defined.iter().any(|(n, _)| n == name),
+                    "README documents {name}, which this library does not define"
+                );
+            }
+        }
     }
 }

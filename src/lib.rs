@@ -1,23 +1,18 @@
 //! outbox_pg: the transactional outbox inside PostgreSQL.
 //!
-//! `outbox_enqueue()` writes an event in the caller's transaction; a background worker publishes
-//! committed events to Redis Streams. Module map:
-//! - `guc`: every `outbox.*` setting.
-//! - `enqueue`: `outbox_enqueue`, the function on the application's path.
-//! - `api`: the other SQL-callable Rust functions (the SQL API itself is in `src/sql/*.sql`).
-//! - `shmem`, `wake`: what backends share with the relay, and waking it at commit.
-//! - `batch`: the batch rule: a shard's window of the log, read from its index (relays, and
-//!   `outbox._read_shard`).
-//! - `counters`: the per-aggregate `aggregate_seq` counters, read from their primary key.
-//! - `datums`: relations, columns and values read without the executor.
-//! - `order`: the shard of an aggregate, and the order lock that makes id order commit order.
-//! - `claims`: what each relay has in flight (shared memory), for the stats.
-//! - `streams`: `outbox.allowed_streams`, the Redis keys events may be written to.
-//! - `object_access`: created extensions and databases wake the launcher; relays step aside when
-//!   their database is dropped.
-//! - `logredact`: Redis credentials masked in every server log line.
-//! - `worker`: the launcher and relay background workers.
-//! - `sink`: the only code that speaks to Redis; `entry`: a row as a stream entry.
+//! An event's way, and the folders it passes through:
+//! - `enqueue`: `outbox_enqueue` in the application's transaction: argument checks, the
+//!   aggregate's order lock, the allowed streams, one row in the log, the wake-up at commit.
+//! - `log`: the log's tables and the batch rule: which events a round reads, in which order,
+//!   what is undelivered, the `aggregate_seq` counters.
+//! - `relay`: the background workers: the launcher, each relay's loop, one round (claim, read,
+//!   publish, finish), housekeeping.
+//! - `sink`: the only code that speaks to Redis (topologies, the MULTI/EXEC exchange) and how an
+//!   event becomes a stream entry.
+//!
+//! And around them: `guc` (every `outbox.*` setting), `shared` (what backends and relays share in
+//! shared memory), `hooks` (catalog and utility hooks, the log redaction), `api` (the SQL-callable
+//! Rust functions; the SQL API itself is in `src/sql/*.sql`).
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,41 +20,48 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use pgrx::prelude::*;
 
 mod api;
-mod batch;
-mod claims;
-mod counters;
-mod datums;
 mod enqueue;
-mod entry;
+#[cfg(feature = "fault-injection")]
+mod faults;
 mod guc;
-mod logredact;
-mod object_access;
-mod order;
-mod shmem;
+mod hooks;
+mod log;
+mod relay;
+mod shared;
 mod sink;
-mod streams;
-mod wake;
-mod worker;
 
-pub use entry::{render_stream_template, OutboxEvent};
+pub use sink::entry::{render_stream_template, OutboxEvent};
 
-// PostgreSQL 15 is supported; 16 and 17 are tried by the GitHub workflow. pgrx declares every
-// version's feature, but 13 and 14 are not built or tested: refuse them rather than ship an
-// untested library (README, "Installing").
+// PostgreSQL 15, 16, 17 and 18 are built and tested (README, "Installing"). pgrx declares every
+// version's feature, but 13 and 14 (end of life) are never built or tested: refuse them rather
+// than ship an untested library.
 #[cfg(any(feature = "pg13", feature = "pg14"))]
-compile_error!("outbox_pg supports PostgreSQL 15 (16 and 17 experimental); PostgreSQL 13 and 14 are not supported");
+compile_error!("outbox_pg supports PostgreSQL 15, 16, 17 and 18; PostgreSQL 13 and 14 are not supported");
 
 ::pgrx::pg_module_magic!();
 
+// The install script, one file per concern, listed in the order an event goes. The data first
+// (bootstrap); every other file needs only the tables, since its PL/pgSQL is checked when it runs
+// and its SQL functions and views name only tables and what the same file made before; health
+// last, since its stats view reads a Rust function and the Rust functions get their privileges
+// and comments there.
 extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
-// The install script: the schema first; then the public API and the relay's statements (PL/pgSQL,
-// which may name the Rust helpers before they exist); operations last, since the stats view and the
-// privileges of the Rust helpers need those helpers created.
-extension_sql_file!("sql/api.sql", name = "api", requires = ["schema"]);
-extension_sql_file!("sql/relay.sql", name = "relay", requires = ["schema"]);
+extension_sql_file!("sql/enqueue.sql", name = "enqueue", requires = ["schema"]);
+extension_sql_file!("sql/relay/claim.sql", name = "relay_claim", requires = ["schema"]);
+extension_sql_file!("sql/relay/failure_path.sql", name = "relay_failure_path", requires = ["schema"]);
+extension_sql_file!("sql/relay/finish.sql", name = "relay_finish", requires = ["schema"]);
+extension_sql_file!("sql/relay/housekeeping.sql", name = "relay_housekeeping", requires = ["schema"]);
 // After the shards and generations rows exist: its triggers catch a restore's dumped rows.
 extension_sql_file!("sql/restore.sql", name = "restore", requires = ["schema"]);
-extension_sql_file!("sql/operations.sql", name = "operations", finalize);
+extension_sql_file!("sql/dedup.sql", name = "dedup", requires = ["schema"]);
+extension_sql_file!("sql/copies.sql", name = "copies", requires = ["schema"]);
+extension_sql_file!("sql/operations.sql", name = "operations", requires = ["schema"]);
+extension_sql_file!("sql/journal.sql", name = "journal", requires = ["schema"]);
+extension_sql_file!("sql/replay.sql", name = "replay", requires = ["journal"]);
+extension_sql_file!("sql/health.sql", name = "health", finalize);
+// Functions only tests call, in schema tests: in the test build alone, never in a production install.
+#[cfg(any(test, feature = "pg_test"))]
+extension_sql_file!("sql/test_helpers.sql", name = "test_helpers");
 
 /// Whether the library was loaded through `shared_preload_libraries` (inherited by every backend).
 static PRELOADED: AtomicBool = AtomicBool::new(false);
@@ -76,6 +78,13 @@ pub extern "C-unwind" fn _PG_init() {
     if unsafe { pg_sys::IsBinaryUpgrade } {
         return;
     }
+    // An error PostgreSQL raises inside a call from Rust (a lock timeout, a cancel) comes back to
+    // the client as it was raised; with a Rust backtrace captured (RUST_BACKTRACE set in the
+    // server's environment) pgrx would add it to the error's DETAIL, showing the client the
+    // extension's internals. Only an explicit RUST_LIB_BACKTRACE asks for them.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
     // SAFETY: as above.
     let preloading = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     guc::init(preloading);
@@ -83,12 +92,14 @@ pub extern "C-unwind" fn _PG_init() {
         // Loaded on demand by a backend: the SQL functions that need the relay say so.
         return;
     }
-    logredact::init();
-    shmem::init();
-    claims::init();
-    wake::init();
-    object_access::init();
-    worker::launcher::register();
+    hooks::logredact::init();
+    shared::init();
+    #[cfg(feature = "fault-injection")]
+    faults::init_shared_memory();
+    enqueue::wake::init();
+    enqueue::order::init();
+    hooks::object_access::init();
+    relay::launcher::register();
     PRELOADED.store(true, Ordering::Relaxed);
 }
 

@@ -1,5 +1,6 @@
 // The SQL API inside one (rolled-back) transaction: what outbox_enqueue stores, and how it refuses
-// bad input. Included into `lib.rs`'s `tests` module.
+// bad input. Included into `lib.rs`'s `tests` module. Long, as a test file of a whole API is: each
+// test reads on its own, and they share the helpers at the top.
 
 use pgrx::prelude::*;
 
@@ -24,7 +25,12 @@ fn error_of(sql: &str) -> (String, String) {
         | pgrx::pg_sys::panic::CaughtError::ErrorReport(report)
         | pgrx::pg_sys::panic::CaughtError::RustPanic { ereport: report, .. } => Some((
             format!("{:?}", report.sql_error_code()),
-            format!("{} | hint: {}", report.message(), report.hint().unwrap_or("")),
+            format!(
+                "{} | detail: {} | hint: {}",
+                report.message(),
+                report.detail().unwrap_or(""),
+                report.hint().unwrap_or("")
+            ),
         )),
     })
     .execute();
@@ -62,7 +68,7 @@ fn enqueue_stores_one_pending_row_and_returns_its_event_id() {
 
 #[pg_test]
 fn enqueue_finds_its_row_through_both_indexes() {
-    // The row is inserted beside the executor (src/enqueue.rs): its index entries must be there.
+    // The row is inserted beside the executor (src/enqueue/mod.rs): its index entries must be there.
     let event_id = Spi::get_one::<pgrx::Uuid>("SELECT outbox_enqueue('idx', 'a', 'e', '{}')").unwrap().unwrap();
     Spi::run("SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off").unwrap();
     let by_event_id = Spi::get_one_with_args::<i64>(
@@ -71,7 +77,7 @@ fn enqueue_finds_its_row_through_both_indexes() {
     )
     .unwrap();
     let by_shard = Spi::get_one::<i64>(
-        "SELECT count(*) FROM outbox.events WHERE shard = outbox._shard_of('idx', 'a') AND txid = pg_current_xact_id()",
+        "SELECT count(*) FROM outbox.events WHERE shard = tests.shard_of('idx', 'a') AND txid = pg_current_xact_id()",
     )
     .unwrap();
     assert_eq!((by_event_id, by_shard), (Some(1), Some(1)));
@@ -85,7 +91,22 @@ fn a_per_database_redis_url_may_not_carry_a_password() {
     assert!(message.contains("may not carry a password"), "{message}");
     assert!(message.contains("outbox.redis_password_file"), "{message}");
     assert!(!message.contains("s3cret"), "{message}");
+    // Every form a secret takes: a socket URL's pass= (the redis crate reads it), password=, a
+    // userinfo password in any URL of a list (review of issue 28, 10a).
+    for (target, url) in [
+        ("DATABASE pgrx_tests", "redis+unix:///tmp/redis.sock?pass=S3cretUnix"),
+        ("ROLE CURRENT_USER", "redis+unix:///tmp/redis.sock?db=0&pass=S3cretRole"),
+        ("DATABASE pgrx_tests", "unix:///tmp/redis.sock?P%61SS=S3cret"),
+        ("DATABASE pgrx_tests", "redis://h:1/0?password=S3cret"),
+        ("ROLE CURRENT_USER", "redis://h:1,redis://a:2, rediss://:S3cret@b:3"),
+    ] {
+        let (sqlstate, message) = error_of(&format!("ALTER {target} SET outbox.redis_url = '{url}'"));
+        assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{url}: {message}");
+        assert!(message.contains("may not carry a password"), "{url}: {message}");
+        assert!(!message.contains("S3cret"), "{message}");
+    }
     Spi::run("ALTER DATABASE pgrx_tests SET outbox.redis_url = 'redis://relay@h:1'").unwrap();
+    Spi::run("ALTER DATABASE pgrx_tests SET outbox.redis_url = 'redis+unix:///tmp/redis.sock?db=0&user=relay'").unwrap();
     Spi::run("ALTER DATABASE pgrx_tests RESET outbox.redis_url").unwrap();
 }
 
@@ -99,18 +120,23 @@ fn enqueue_in_a_read_only_transaction_is_refused_like_an_insert() {
 
 #[pg_test]
 fn a_log_table_someone_changed_gets_its_row_through_the_executor() {
-    // A DBA's audit trigger on the log: the direct insert would skip it, so enqueue must not.
+    // A DBA's audit trigger on the log: the direct insert would skip it, so enqueue must not. It
+    // runs with the owner's rights under search_path = pg_catalog, pg_temp (the caller's path must
+    // not pick what it calls), so it names its table with its schema.
     Spi::run(
-        "CREATE TABLE audited (event_id uuid);
-         CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN INSERT INTO audited VALUES (NEW.event_id); RETURN NEW; END$$;
-         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_0 FOR EACH ROW EXECUTE FUNCTION audit();
-         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_1 FOR EACH ROW EXECUTE FUNCTION audit();
-         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_2 FOR EACH ROW EXECUTE FUNCTION audit();",
+        "CREATE TABLE tests.audited (event_id uuid, search_path text);
+         CREATE FUNCTION tests.audit() RETURNS trigger LANGUAGE plpgsql AS
+             $$BEGIN INSERT INTO tests.audited VALUES (NEW.event_id, current_setting('search_path')); RETURN NEW; END$$;
+         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_0 FOR EACH ROW EXECUTE FUNCTION tests.audit();
+         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_1 FOR EACH ROW EXECUTE FUNCTION tests.audit();
+         CREATE TRIGGER audit BEFORE INSERT ON outbox.events_2 FOR EACH ROW EXECUTE FUNCTION tests.audit();",
     )
     .unwrap();
+    Spi::run("SET LOCAL search_path = tests, public").unwrap();
     let event_id = Spi::get_one::<pgrx::Uuid>("SELECT outbox_enqueue('audit', 1, 'e', '{}')").unwrap().unwrap();
-    let audited = Spi::get_one::<pgrx::Uuid>("SELECT event_id FROM audited").unwrap();
-    assert_eq!(audited, Some(event_id));
+    let audited = Spi::get_one::<String>("SELECT event_id::text || ' ' || search_path FROM tests.audited").unwrap();
+    assert_eq!(audited, Some(format!("{event_id} pg_catalog, pg_temp")));
+    assert_eq!(Spi::get_one::<String>("SELECT current_setting('search_path')").unwrap().unwrap(), "tests, public");
     assert_eq!(count_messages(), 1);
 }
 
@@ -174,6 +200,125 @@ fn enqueue_rejects_headers_that_are_not_an_object() {
     assert_eq!(count_messages(), 0);
 }
 
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// The headers stored with the last event enqueued.
+fn last_headers() -> Option<pgrx::JsonB> {
+    Spi::get_one::<pgrx::JsonB>("SELECT headers FROM outbox.messages ORDER BY id DESC LIMIT 1").unwrap()
+}
+
+#[pg_test]
+fn enqueue_keeps_the_trace_context_of_its_headers_or_of_its_transaction() {
+    let headers = format!(r#"{{"traceparent": "{TRACEPARENT}", "tracestate": "rojo=1", "tenant": "t1"}}"#);
+    Spi::run(&format!("SELECT outbox_enqueue('a', 'x', 'e', '{{}}', '{headers}')")).unwrap();
+    let stored = last_headers().unwrap().0;
+    assert_eq!(stored, serde_json::from_str::<serde_json::Value>(&headers).unwrap());
+
+    // From the transaction's settings, added to the headers (or making them).
+    Spi::run(&format!("SET LOCAL outbox.traceparent = '{TRACEPARENT}'")).unwrap();
+    Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
+    assert_eq!(last_headers().unwrap().0, serde_json::json!({"traceparent": TRACEPARENT}));
+    Spi::run("SET LOCAL outbox.tracestate = 'congo=t61rcWkgMzE'").unwrap();
+    Spi::run(r#"SELECT outbox_enqueue('a', 'x', 'e', '{}', '{"tenant": "t1", "n": 1.10}')"#).unwrap();
+    assert_eq!(
+        last_headers().unwrap().0,
+        serde_json::json!({"tenant": "t1", "n": 1.10, "traceparent": TRACEPARENT, "tracestate": "congo=t61rcWkgMzE"})
+    );
+    // The headers' own trace context wins over the settings'.
+    let other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
+    Spi::run(&format!(r#"SELECT outbox_enqueue('a', 'x', 'e', '{{}}', '{{"traceparent": "{other}"}}')"#)).unwrap();
+    assert_eq!(last_headers().unwrap().0, serde_json::json!({"traceparent": other}));
+    // Unset (RESET, or empty), nothing is added.
+    Spi::run("RESET outbox.traceparent; SET LOCAL outbox.tracestate = ''").unwrap();
+    Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}')").unwrap();
+    assert!(last_headers().is_none());
+    assert_eq!(count_messages(), 5);
+}
+
+#[pg_test]
+fn a_bad_trace_context_refuses_the_event_and_names_it() {
+    let invalid = "ERRCODE_INVALID_PARAMETER_VALUE";
+    for (headers, says) in [
+        (r#"{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7"}"#, "headers' traceparent '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7' is not valid: it must be four parts"),
+        (r#"{"traceparent": "00-00000000000000000000000000000000-00f067aa0ba902b7-01"}"#, "the trace id must not be all zeros"),
+        (r#"{"traceparent": "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"}"#, "the trace id must be 32 lowercase hex digits"),
+        (r#"{"traceparent": 1}"#, "headers' traceparent must be a JSON string, got a JSON number"),
+        (r#"{"tracestate": "rojo=1"}"#, "headers carry a tracestate ('rojo=1') but no traceparent"),
+    ] {
+        let (code, message) = error_of(&format!("SELECT outbox_enqueue('a', 'x', 'e', '{{}}', '{headers}')"));
+        assert_eq!(code, invalid, "{message}");
+        assert!(message.contains(says) && message.contains("hint: "), "{message}");
+    }
+    let (code, message) = error_of(&format!(
+        r#"SELECT outbox_enqueue('a', 'x', 'e', '{{}}', '{{"traceparent": "{TRACEPARENT}", "tracestate": "Rojo=1"}}')"#
+    ));
+    assert_eq!(code, invalid, "{message}");
+    assert!(message.contains("headers' tracestate 'Rojo=1' is not valid: key \"Rojo\"") && message.contains("tracestate looks like"), "{message}");
+
+    // The settings refuse a bad value when it is set, naming it.
+    let (code, message) = error_of("SET LOCAL outbox.traceparent = '01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'");
+    assert_eq!(code, invalid, "{message}");
+    assert!(message.contains(r#"invalid value for parameter "outbox.traceparent": "01-4bf92f"#), "{message}");
+    assert!(message.contains("detail: version 01 is not supported, only 00") && message.contains("version 00, lowercase hex"), "{message}");
+    let (code, message) = error_of(&format!("SET LOCAL outbox.tracestate = '{}'", (0..33).map(|n| format!("k{n}=v")).collect::<Vec<_>>().join(",")));
+    assert_eq!(code, invalid, "{message}");
+    assert!(message.contains("detail: it has more than 32 members"), "{message}");
+    // A tracestate without its traceparent is refused at enqueue.
+    Spi::run("SET LOCAL outbox.tracestate = 'rojo=1'").unwrap();
+    let (code, message) = error_of("SELECT outbox_enqueue('a', 'x', 'e', '{}')");
+    assert_eq!(code, invalid, "{message}");
+    assert!(message.contains("outbox.tracestate is set ('rojo=1') but outbox.traceparent is not"), "{message}");
+    assert_eq!(count_messages(), 0);
+}
+
+#[pg_test]
+fn the_entry_format_settings_refuse_what_they_cannot_write() {
+    Spi::run("SET LOCAL outbox.entry_format = 'cloudevents'").unwrap();
+    let (code, message) = error_of("SET LOCAL outbox.entry_format = 'xml'");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    Spi::run("SET LOCAL outbox.cloudevents_source = 'https://example.com/{database}/{event_type}'").unwrap();
+    for (source, says) in [
+        ("/outbox/{tenant}", r#""{tenant}" is not one of its placeholders ({database}, {aggregate_type}, {event_type})"#),
+        ("/out box", "which a URI reference cannot hold"),
+        ("", "it is empty"),
+        // Review of issue 28, 11: only URI references (RFC 3986), the value named.
+        (
+            "urn:x:{database}/{aggregate_type}/{event_type}?q=%zz#\"<>",
+            r#""urn:x:{database}/{aggregate_type}/{event_type}?q=%zz#\"<>" is not a URI reference"#,
+        ),
+        ("/a<b>", "'<' at byte 2 may not appear in its path"),
+        ("/a\"b", "is not a URI reference"),
+        ("/a%4", "is not a percent-escape"),
+    ] {
+        let (code, message) = error_of(&format!("SET LOCAL outbox.cloudevents_source = '{source}'"));
+        assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+        assert!(message.contains(says) && message.contains("hint: Use a URI reference"), "{message}");
+    }
+}
+
+/// outbox.max_databases sizes the entries' shared memory at server start: what
+/// pg_shmem_allocations shows is exactly `ENTRY_BYTES` per entry.
+#[pg_test]
+fn the_database_entries_take_their_bytes_per_entry_of_shared_memory() {
+    let entries = Spi::get_one::<String>("SHOW outbox.max_databases").unwrap().unwrap();
+    assert_eq!(entries, "16");
+    assert_eq!(crate::shared::database_entries(), 16);
+    let bytes = Spi::get_one::<i64>(
+        "SELECT sum(size)::bigint FROM pg_shmem_allocations
+          WHERE name IN ('outbox_pg_databases', 'outbox_pg_last_errors', 'outbox_pg_in_flight')",
+    )
+    .unwrap()
+    .unwrap();
+    assert_eq!(bytes as usize, 16 * crate::shared::ENTRY_BYTES);
+    // The figure README's Settings table gives.
+    let per_entry = crate::shared::ENTRY_BYTES;
+    let readme = include_str!("../../README.md");
+    let row = readme.lines().find(|line| line.starts_with("| `outbox.max_databases`")).expect("README's row");
+    assert!(row.contains(&format!("{},{:03} bytes", per_entry / 1000, per_entry % 1000)), "{per_entry} bytes: {row}");
+    let (code, message) = error_of("SET outbox.max_databases = 64");
+    assert_eq!(code, "ERRCODE_CANT_CHANGE_RUNTIME_PARAM", "{message}");
+}
+
 #[pg_test]
 fn enqueue_rejects_payloads_over_max_payload_size() {
     Spi::run("SET LOCAL outbox.max_payload_size = '1kB'").unwrap();
@@ -194,6 +339,46 @@ fn enqueue_rejects_empty_and_overlong_stream_names() {
     assert!(message.contains("513 bytes"), "{message}");
     Spi::run("SELECT outbox_enqueue('a', 'x', 'e', '{}', NULL, repeat('s', 512))").unwrap();
     assert_eq!(count_messages(), 1);
+    // A blank name is as empty as '' (review of issue 28, 11).
+    for blank in ["   ", " \t "] {
+        let (sqlstate, message) = error_of(&format!("SELECT outbox_enqueue('a', 'x', 'e', '{{}}', stream => E'{}')", blank.replace('\t', "\\t")));
+        assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+        assert!(message.contains("stream must not be empty or blank") && message.contains("hint: "), "{message}");
+    }
+    assert_eq!(count_messages(), 1);
+}
+
+/// Review of issue 28, 11: the headers' limit held for the argument only, so the trace context of
+/// outbox.traceparent/outbox.tracestate merged in made stored headers larger than the limit.
+#[pg_test]
+fn the_headers_limit_holds_with_the_trace_context_merged_in() {
+    Spi::run("SET LOCAL outbox.traceparent = '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01'").unwrap();
+    Spi::run("SET LOCAL outbox.tracestate = 'rojo=00f067aa0ba902b7'").unwrap();
+    // {"h": "x...x"} is 9 bytes plus the x's: 65,500 bytes alone, over 65,536 merged.
+    let (code, message) =
+        error_of("SELECT outbox_enqueue('t', 1, 'e', '{}', jsonb_build_object('h', repeat('x', 65491)))");
+    assert_eq!(code, "ERRCODE_PROGRAM_LIMIT_EXCEEDED", "{message}");
+    assert!(message.contains("with the trace context") && message.contains("the limit is 65536 bytes"), "{message}");
+    assert!(message.contains("hint: "), "{message}");
+    assert_eq!(count_messages(), 0);
+    Spi::run("SELECT outbox_enqueue('t', 1, 'e', '{}', jsonb_build_object('h', repeat('x', 65000)))").unwrap();
+    assert_eq!(count_messages(), 1);
+}
+
+/// Review of issue 28, 11: consumer names are bounded like aggregate and event types (255 bytes).
+#[pg_test]
+fn mark_processed_refuses_an_overlong_consumer_name() {
+    let (code, message) = error_of("SELECT outbox_mark_processed(repeat('c', 256), gen_random_uuid())");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    assert!(message.contains("consumer name is 256 bytes long") && message.contains("the limit is 255 bytes"), "{message}");
+    assert!(message.contains("hint: "), "{message}");
+    let (code, message) = error_of("SELECT outbox_mark_processed(repeat('c', 100000), gen_random_uuid())");
+    assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+    assert!(message.len() < 1000, "the name is not repeated whole: {message}");
+    assert_eq!(
+        Spi::get_one::<bool>("SELECT outbox_mark_processed(repeat('c', 255), gen_random_uuid())").unwrap(),
+        Some(true)
+    );
 }
 
 /// Shared buffers a statement touched (hits and reads), from EXPLAIN (ANALYZE, BUFFERS): a count
@@ -353,7 +538,8 @@ fn writers_enqueue_without_reading_and_only_admins_operate() {
     Spi::run("RESET ROLE").unwrap();
     Spi::run("SET LOCAL ROLE test_admin").unwrap();
     assert_eq!(Spi::get_one::<i64>("SELECT count(*) FROM outbox.messages").unwrap(), Some(1));
-    assert_eq!(Spi::get_one::<i64>("SELECT pending FROM outbox.stats").unwrap(), Some(1));
+    // The event is this transaction's own, not committed: not pending yet (admins may read stats).
+    assert_eq!(Spi::get_one::<i64>("SELECT pending FROM outbox.stats").unwrap(), Some(0));
     assert_eq!(Spi::get_one::<i64>("SELECT outbox.retry_failed()").unwrap(), Some(0));
     assert_eq!(Spi::get_one::<i64>("SELECT outbox.purge('0')").unwrap(), Some(0));
     // The writer's aggregate still has its event: nothing to forget.
@@ -369,15 +555,15 @@ fn writers_enqueue_without_reading_and_only_admins_operate() {
 /// A snapshot in which this test's own transaction counts as committed. A transaction never sees
 /// itself as committed in its own snapshots (its id is at or above their xmax), and every pg_test
 /// is one transaction, so the tests read "up to" this instead.
-const UPTO: &str = "outbox._cursor_below(pg_current_snapshot(), pg_current_xact_id()::text::bigint + 1)::pg_snapshot";
+const UPTO: &str = "tests.cursor_below(pg_current_snapshot(), pg_current_xact_id()::text::bigint + 1)::pg_snapshot";
 
-/// Every shard's batch for this transaction, read with `_read_shard` from the shard's cursor.
+/// Every shard's batch for this transaction, read with `tests.read_shard` from the shard's cursor.
 fn batch_ids(limit: i32) -> Vec<i64> {
     Spi::get_one_with_args::<Vec<i64>>(
         &format!(
             "SELECT coalesce(array_agg(b.id ORDER BY b.id), '{{}}')
                FROM outbox.shards s
-              CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, {UPTO}, $1) b"
+              CROSS JOIN LATERAL tests.read_shard(s.shard, s.cursor, {UPTO}, $1) b"
         ),
         &[limit.into()],
     )
@@ -402,7 +588,7 @@ fn take_all_shards() {
 fn enqueue_writes_one_row_to_the_current_generation_with_its_shard_and_transaction() {
     Spi::run("SELECT outbox_enqueue('payment', 7, 'created', '{}'), outbox_enqueue('payment', 8, 'created', '{}')").unwrap();
     let row = Spi::get_one::<String>(
-        "SELECT string_agg(concat_ws(':', generation, shard = outbox._shard_of(aggregate_type, aggregate_id),
+        "SELECT string_agg(concat_ws(':', generation, shard = tests.shard_of(aggregate_type, aggregate_id),
                                      txid = pg_current_xact_id()), ',' ORDER BY id)
            FROM outbox.events",
     )
@@ -414,16 +600,56 @@ fn enqueue_writes_one_row_to_the_current_generation_with_its_shard_and_transacti
     assert_eq!(Spi::get_one::<String>("SELECT string_agg(status, ',') FROM outbox.messages").unwrap().unwrap(), "pending,pending");
 }
 
+/// The order locks this transaction holds (userlocks of kind 2), and whether it holds the
+/// past-the-cap lock (kind 3).
+fn order_locks_held() -> (i64, bool) {
+    let count = |kind: i32| {
+        Spi::get_one_with_args::<i64>(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'userlock' AND objsubid = $1 AND pid = pg_backend_pid() AND granted",
+            &[kind.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    (count(2), count(3) == 1)
+}
+
 #[pg_test]
 fn a_transaction_takes_at_most_256_order_locks() {
     Spi::run("SELECT outbox_enqueue('bulk', i, 'e', '{}') FROM generate_series(1, 300) i").unwrap();
     Spi::run("SELECT outbox_enqueue('bulk', 1, 'e', '{}')").unwrap();
-    let locks = Spi::get_one::<i64>(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'userlock' AND pid = pg_backend_pid() AND granted",
+    assert_eq!(order_locks_held(), (256, true), "256 order locks, then the past-the-cap lock");
+}
+
+/// The cap counts the order locks a transaction holds: a rolled-back subtransaction (an exception
+/// block here; `ROLLBACK TO SAVEPOINT` in tests/interleavings.rs) releases those it took (issue 23,
+/// item 4: a count of locks taken let a transaction that had rolled back 256 enqueues enqueue for a
+/// new aggregate without its lock).
+#[pg_test]
+fn order_locks_released_by_a_rolled_back_subtransaction_do_not_count_against_the_cap() {
+    Spi::run(
+        "DO $$ BEGIN
+             PERFORM outbox_enqueue('undone', i, 'e', '{}') FROM generate_series(1, 256) i;
+             RAISE EXCEPTION 'undo';
+         EXCEPTION WHEN raise_exception THEN NULL;
+         END $$",
     )
-    .unwrap()
     .unwrap();
-    assert_eq!(locks, 256);
+    assert_eq!(order_locks_held(), (0, false), "the exception block's locks were released");
+    Spi::run("SELECT outbox_enqueue('x', 'X', 'e', '{}')").unwrap();
+    assert_eq!(order_locks_held(), (1, false), "a new aggregate gets its order lock");
+    // A subtransaction that completes hands its locks to its parent: they still count.
+    Spi::run(
+        "DO $$ BEGIN
+             BEGIN
+                 PERFORM outbox_enqueue('kept', i, 'e', '{}') FROM generate_series(1, 255) i;
+             EXCEPTION WHEN raise_exception THEN NULL;
+             END;
+         END $$",
+    )
+    .unwrap();
+    Spi::run("SELECT outbox_enqueue('x', 'over', 'e', '{}')").unwrap();
+    assert_eq!(order_locks_held(), (256, true), "256 held: the next aggregate is past the cap");
 }
 
 #[pg_test]
@@ -435,7 +661,7 @@ fn a_batch_is_what_became_visible_between_the_cursor_and_a_snapshot() {
     assert_eq!(batch_ids(100), all);
     // Up to the cursor itself: nothing.
     let none = Spi::get_one::<i64>(
-        "SELECT count(*) FROM outbox.shards s CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, s.cursor, 100) b",
+        "SELECT count(*) FROM outbox.shards s CROSS JOIN LATERAL tests.read_shard(s.shard, s.cursor, s.cursor, 100) b",
     )
     .unwrap();
     assert_eq!(none, Some(0));
@@ -443,14 +669,14 @@ fn a_batch_is_what_became_visible_between_the_cursor_and_a_snapshot() {
     let own = Spi::get_one::<i64>("SELECT pg_current_xact_id()::text::bigint").unwrap().unwrap();
     let below = Spi::get_one_with_args::<i64>(
         "SELECT count(*) FROM outbox.shards s
-          CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, outbox._cursor_below(pg_current_snapshot(), $1)::pg_snapshot, 100) b",
+          CROSS JOIN LATERAL tests.read_shard(s.shard, s.cursor, tests.cursor_below(pg_current_snapshot(), $1)::pg_snapshot, 100) b",
         &[own.into()],
     )
     .unwrap();
     assert_eq!(below, Some(0));
     let above = Spi::get_one_with_args::<i64>(
         "SELECT count(*) FROM outbox.shards s
-          CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, outbox._cursor_below(pg_current_snapshot(), $1)::pg_snapshot, 100) b",
+          CROSS JOIN LATERAL tests.read_shard(s.shard, s.cursor, tests.cursor_below(pg_current_snapshot(), $1)::pg_snapshot, 100) b",
         &[(own + 1).into()],
     )
     .unwrap();
@@ -463,7 +689,7 @@ fn a_batch_formats_created_at_as_rfc3339_utc_with_microseconds() {
     Spi::run("UPDATE outbox.events_0 SET created_at = '2026-11-29 20:00:00.123456+00'").unwrap();
     let created = Spi::get_one::<String>(&format!(
         "SELECT b.created_at FROM outbox.shards s
-          CROSS JOIN LATERAL outbox._read_shard(s.shard, s.cursor, {UPTO}, 10) b"
+          CROSS JOIN LATERAL tests.read_shard(s.shard, s.cursor, {UPTO}, 10) b"
     ))
     .unwrap()
     .unwrap();
@@ -485,14 +711,14 @@ fn a_long_transaction_never_makes_a_batch_rescan_what_was_consumed() {
     )
     .unwrap();
     Spi::run("ANALYZE outbox.events_0").unwrap();
-    let read = "SELECT * FROM outbox._read_shard(3::smallint, '1000:21001:1000', '21001:21001:', 100)";
+    let read = "SELECT * FROM tests.read_shard(3::smallint, '1000:21001:1000', '21001:21001:', 100)";
     let rows = Spi::get_one::<i64>(&format!("SELECT count(*) FROM ({read}) b")).unwrap();
     assert_eq!(rows, Some(1), "only the long transaction's event is new");
     let pages = buffers_touched(read);
     assert!(pages < 50, "reading one event past 20,000 consumed ones touched {pages} pages");
 }
 
-/// The relays read the log straight from its datums (src/batch.rs); what they send must be what
+/// The relays read the log straight from its datums (src/log/window.rs); what they send must be what
 /// PostgreSQL's own text forms give: the uuid, the jsonb texts (a large payload is toasted), NULLs,
 /// and created_at in RFC 3339, UTC, whatever the session's time zone.
 #[pg_test]
@@ -504,11 +730,11 @@ fn the_log_is_read_as_postgresql_writes_its_values() {
          SELECT outbox_enqueue('acct', 'ü-1', 'closed', '[1, {\"a\": null}]')",
     )
     .unwrap();
-    let shard = Spi::get_one::<i16>("SELECT outbox._shard_of('acct', 'ü-1')").unwrap().unwrap();
+    let shard = Spi::get_one::<i16>("SELECT tests.shard_of('acct', 'ü-1')").unwrap().unwrap();
     let differences = Spi::get_one::<i64>(&format!(
         "SELECT count(*) FROM (
              SELECT b.id, b.event_id, b.aggregate_type, b.aggregate_id, b.event_type, b.payload, b.headers, b.stream, b.created_at
-               FROM outbox._read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000) b
+               FROM tests.read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000) b
              EXCEPT
              SELECT e.id, e.event_id::text, e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text, e.headers::text, e.stream,
                     to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')
@@ -517,11 +743,11 @@ fn the_log_is_read_as_postgresql_writes_its_values() {
     .unwrap();
     assert_eq!(differences, Some(0));
     let read = Spi::get_one::<i64>(&format!(
-        "SELECT count(*) FROM outbox._read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000)"
+        "SELECT count(*) FROM tests.read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000)"
     ))
     .unwrap();
     assert_eq!(read, Some(2));
-    let (sqlstate, message) = error_of("SELECT * FROM outbox._read_log(0::smallint, 'not a snapshot', '1:1:', 10)");
+    let (sqlstate, message) = error_of("SELECT * FROM tests.read_log(0::smallint, 'not a snapshot', '1:1:', 10)");
     assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
     assert!(message.contains("cursor \"not a snapshot\" is not a pg_snapshot"), "{message}");
 }
@@ -532,9 +758,9 @@ fn the_log_is_read_as_postgresql_writes_its_values() {
 fn reading_a_batch_of_one_aggregates_backlog_costs_a_few_pages_per_event() {
     create_buffers_helper();
     Spi::run("SELECT outbox_enqueue('acct', 'hot', 'e', '{}') FROM generate_series(1, 3000)").unwrap();
-    let shard = Spi::get_one::<i16>("SELECT outbox._shard_of('acct', 'hot')").unwrap().unwrap();
+    let shard = Spi::get_one::<i16>("SELECT tests.shard_of('acct', 'hot')").unwrap().unwrap();
     let read = buffers_touched(&format!(
-        "SELECT * FROM outbox._read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000)"
+        "SELECT * FROM tests.read_shard({shard}::smallint, (SELECT cursor FROM outbox.shards WHERE shard = {shard}), {UPTO}, 1000)"
     ));
     assert!(read < 5_000, "reading 1,000 events of one aggregate touched {read} pages");
 }
@@ -593,7 +819,8 @@ fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog(
     };
     let advance = |cursor: &str| {
         Spi::run_with_args(
-            "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[$1], '{}', '{}', '{}', '{}')",
+            "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[$1], ARRAY[NULL], ARRAY[NULL]::bigint[],
+                                    ARRAY[NULL]::bigint[], '{}', '{}', '{}', '{}', '{}', '{}')",
             &[cursor.into()],
         )
         .unwrap()
@@ -623,19 +850,20 @@ fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() 
     Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 1, 30000)").unwrap();
     Spi::run(
         "SELECT outbox._advance(pg_backend_pid(), ARRAY[0]::smallint[], ARRAY[pg_current_snapshot()::text],
-                                ARRAY['t', 't'], ARRAY['a', 'b'], ARRAY[3, 1]::bigint[], ARRAY[false, false])",
+                                ARRAY[NULL], ARRAY[NULL]::bigint[], ARRAY[NULL]::bigint[],
+                                ARRAY['t', 't'], ARRAY['a', 'b'], ARRAY[3, 1]::bigint[], ARRAY[false, false], '{}', '{}')",
     )
     .unwrap();
     Spi::run(
-        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], ARRAY['t'], ARRAY['a'], ARRAY[2]::bigint[],
-                                ARRAY[true])",
+        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], '{}', '{}', '{}', ARRAY['t'], ARRAY['a'],
+                                ARRAY[2]::bigint[], ARRAY[true], '{}', '{}')",
     )
     .unwrap();
     // A counter the read found but that is gone by the finish is written again, with the others.
     Spi::run("DELETE FROM outbox.aggregates WHERE aggregate_id = 'b'").unwrap();
     Spi::run(
-        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], ARRAY['t', 't'], ARRAY['a', 'b'],
-                                ARRAY[3, 1]::bigint[], ARRAY[true, true])",
+        "SELECT outbox._advance(pg_backend_pid(), '{}'::smallint[], '{}'::text[], '{}', '{}', '{}', ARRAY['t', 't'], ARRAY['a', 'b'],
+                                ARRAY[3, 1]::bigint[], ARRAY[true, true], '{}', '{}')",
     )
     .unwrap();
     let counters = Spi::get_one::<String>(
@@ -645,13 +873,14 @@ fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() 
     .unwrap();
     assert_eq!(counters, "a=3,b=1", "counters never move back");
     let positions = Spi::get_one::<String>(
-        "SELECT string_agg(ordinal || ':' || last_seq, ',' ORDER BY ordinal) FROM outbox._counters(ARRAY['t', 't', 't'], ARRAY['x', 'b', 'a'])",
+        "SELECT string_agg(ordinal || ':' || last_seq, ',' ORDER BY ordinal) FROM tests.counters(ARRAY['t', 't', 't'], ARRAY['x', 'b', 'a'])",
     )
     .unwrap()
     .unwrap();
     assert_eq!(positions, "2:1,3:3");
     let (code, message) = error_of(
-        "SELECT outbox._advance(pg_backend_pid(), ARRAY[1]::smallint[], ARRAY[pg_current_snapshot()::text], '{}', '{}', '{}', '{}')",
+        "SELECT outbox._advance(pg_backend_pid(), ARRAY[1]::smallint[], ARRAY[pg_current_snapshot()::text], ARRAY[NULL],
+                                ARRAY[NULL]::bigint[], ARRAY[NULL]::bigint[], '{}', '{}', '{}', '{}', '{}', '{}')",
     );
     assert_eq!(code, "ERRCODE_LOCK_NOT_AVAILABLE", "a shard this relay does not hold: {message}");
 }
@@ -921,7 +1150,9 @@ fn schema_is_registered_for_pg_dump_and_the_log_is_insert_only() {
     .unwrap();
     assert_eq!(
         dumped,
-        "aggregates:,consumers:,events_0:,events_1:,events_2:,events_id_seq:,generations:,held:,processed_messages:,shards:"
+        "aggregates:,consumers:,events_0:,events_1:,events_2:,events_id_seq:,generations:,held:,journal_0:,journal_1:,\
+         journal_2:,journal_round_seq:,processed_messages:,redis_loss_id_seq:,redis_losses:,replay_id_seq:,replay_requests:,\
+         shards:"
     );
     // Two indexes per log table, the seeds' count: the relays' (shard, txid) and event_id.
     let indexes = Spi::get_one::<String>(
@@ -931,4 +1162,105 @@ fn schema_is_registered_for_pg_dump_and_the_log_is_insert_only() {
     .unwrap()
     .unwrap();
     assert_eq!(indexes, "outbox.events_0_batch_idx,outbox.events_0_event_id_idx");
+}
+
+/// README's monitoring recipe: the alert query and the sql_exporter collector's query run as
+/// written, and every metric's `values` names a column of the query it refers to.
+#[pg_test]
+fn the_readme_monitoring_queries_run_and_feed_every_metric() {
+    let readme = include_str!("../../README.md");
+    let start = readme.find("**Monitoring.**").expect("README's monitoring recipe");
+    let recipe = &readme[start..start + readme[start..].find("**Permissions.**").expect("the next paragraph")];
+    let block = |language: &str| -> &str {
+        let open = recipe.find(&format!("```{language}\n")).expect(language) + language.len() + 4;
+        &recipe[open..open + recipe[open..].find("```").expect("the block's end")]
+    };
+    Spi::run(block("sql")).unwrap();
+    let yaml = block("yaml");
+    let query_at = yaml.find("    query: |\n").expect("the collector's query") + "    query: |\n".len();
+    let query: String = yaml[query_at..].lines().take_while(|line| line.starts_with("      ")).collect::<Vec<_>>().join("\n");
+    let columns: Vec<String> = Spi::connect(|client| {
+        let table = client.select(&query, None, &[]).unwrap();
+        (1..=table.columns().unwrap()).map(|i| table.column_name(i).unwrap()).collect()
+    });
+    let values: Vec<&str> = yaml
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("values: [")?.strip_suffix(']'))
+        .collect();
+    assert_eq!(values.len(), yaml.matches("metric_name:").count());
+    assert_eq!(values.len(), yaml.matches("query_ref: outbox_stats").count());
+    for value in values {
+        assert!(columns.iter().any(|column| column == value), "{value} is not a column of {columns:?}");
+    }
+    assert_eq!(columns.len(), 6, "{columns:?}");
+}
+
+/// outbox.replay, cancel_replay and repair_losses refuse what would do nothing or something else
+/// than asked: with their SQLSTATE, the value, and a hint.
+#[pg_test]
+fn replay_cancel_and_repair_refuse_bad_arguments() {
+    for (sql, code, needle) in [
+        ("SELECT outbox.cancel_replay(NULL)", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "replay must not be NULL"),
+        ("SELECT outbox.cancel_replay(-5)", "ERRCODE_INVALID_PARAMETER_VALUE", "(got -5)"),
+        ("SELECT outbox.repair_losses('{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "losses must list loss ids"),
+        ("SELECT outbox.repair_losses(ARRAY[NULL::bigint])", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "must not hold NULL"),
+        ("SELECT outbox.repair_losses(ARRAY[424242])", "ERRCODE_INVALID_PARAMETER_VALUE", "{424242}"),
+        ("SELECT outbox.replay(now(), partial => NULL)", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "partial must not be NULL"),
+        ("SELECT outbox.replay(now(), aggregate_types => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_types must list"),
+        ("SELECT outbox.replay(now(), aggregate_types => ARRAY[NULL])", "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_types must list"),
+        ("SELECT outbox.replay(now(), event_ids => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "event_ids must list"),
+        ("SELECT outbox.replay(now(), streams => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "streams must list"),
+        // Before the installation: nothing was recorded then, and retention removed nothing.
+        ("SELECT outbox.replay('2001-01-01')", "ERRCODE_INVALID_PARAMETER_VALUE", "before anything was recorded"),
+    ] {
+        let (sqlstate, message) = error_of(sql);
+        assert_eq!(sqlstate, code, "{sql}: {message}");
+        assert!(message.contains(needle), "{sql}: {message}");
+        assert!(!message.contains("no longer retained"), "{sql}: {message}");
+        assert!(message.contains("hint: ") && !message.ends_with("hint: "), "{sql} has no hint: {message}");
+    }
+    // A replay that is not running (or no replay at all) is not cancelled.
+    assert_eq!(Spi::get_one::<bool>("SELECT outbox.cancel_replay(424242)").unwrap(), Some(false));
+}
+
+/// repair_losses replays exactly the stream Redis lost (no glob, no comma, no trimming), and a
+/// loss counts in outbox.stats.redis_data_loss until a replay is done having replayed events: a
+/// repair that replayed nothing, was cancelled or refused by Redis does not repair it, and
+/// repair_losses() tries again those cancelled or refused.
+#[pg_test]
+fn repair_losses_replays_exactly_the_stream_and_counts_what_is_not_repaired() {
+    let lost = |sql: &str| Spi::get_one::<i64>(sql).unwrap().unwrap();
+    Spi::run(
+        r"INSERT INTO outbox.redis_losses (id, stream, expected_id, expected_at)
+          SELECT 900 + n, s, '1-0', now() FROM unnest(ARRAY['outbox:a*', 'outbox:x\y', 'outbox:c,d', '   ']) WITH ORDINALITY x(s, n)",
+    )
+    .unwrap();
+    assert_eq!(lost("SELECT redis_data_loss FROM outbox.stats"), 4);
+    assert_eq!(lost("SELECT count(*) FROM outbox.repair_losses()"), 4);
+    // Each replay takes its stream as a key, exactly as Redis named it.
+    assert_eq!(
+        lost(
+            "SELECT count(*) FROM outbox.redis_losses l JOIN outbox.replay_requests r ON r.id = l.replay_id
+              WHERE r.streams = ARRAY[l.stream] AND r.exact_streams"
+        ),
+        4
+    );
+    // Nothing journaled here: each replay is done at once having replayed nothing, which repairs
+    // nothing; repair_losses() leaves them (with a WARNING), repair_losses(ids) tries again.
+    assert_eq!(lost("SELECT redis_data_loss FROM outbox.stats"), 4);
+    assert_eq!(lost("SELECT count(*) FROM outbox.repair_losses()"), 0);
+    assert_eq!(lost("SELECT count(*) FROM outbox.repair_losses(ARRAY[901, 902])"), 2);
+    // Running: being repaired. Done with events replayed: repaired. Cancelled, or refused by
+    // Redis: not repaired, and tried again.
+    Spi::run(
+        "UPDATE outbox.replay_requests r SET state = CASE l.id WHEN 901 THEN 'running' WHEN 902 THEN 'done' ELSE 'cancelled' END,
+                replayed = 5, errors = CASE l.id WHEN 904 THEN 1 ELSE 0 END
+           FROM outbox.redis_losses l WHERE r.id = l.replay_id",
+    )
+    .unwrap();
+    Spi::run("UPDATE outbox.replay_requests r SET state = 'done' FROM outbox.redis_losses l WHERE r.id = l.replay_id AND l.id = 904")
+        .unwrap();
+    assert_eq!(lost("SELECT redis_data_loss FROM outbox.stats"), 2);
+    assert_eq!(lost("SELECT count(*) FROM outbox.repair_losses() WHERE loss IN (903, 904)"), 2);
+    assert_eq!(lost("SELECT count(*) FROM outbox.repair_losses(ARRAY[901, 902])"), 0);
 }

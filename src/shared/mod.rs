@@ -6,16 +6,28 @@
 //! database's first relay and releases it once that database's relays are gone. Everyone else finds
 //! their database's entry by its OID (`MyDatabaseId`), so a backend in a database without relays
 //! finds none and reports no relay.
+//!
+//! There are `outbox.max_databases` entries (`database_entries()`), sized at server start
+//! (`sized`): each costs `ENTRY_BYTES` of shared memory, its state here, its error text and its
+//! relays' rounds in flight (`in_flight`).
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU8, AtomicUsize, Ordering};
+use std::cell::{Cell, UnsafeCell};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use pgrx::prelude::*;
 use pgrx::{pg_shmem_init, PGRXSharedMemory, PgAtomic, PgLwLock};
 
+use sized::{SharedArray, Zeroed};
+
+pub mod in_flight;
+pub mod sized;
+
 /// Most relays `outbox.workers` may ask for, per database.
 pub const MAX_RELAYS: usize = 16;
-/// Most databases relayed at once (each needs one entry; see docs/worker.md).
-pub const MAX_DATABASES: usize = 16;
+
+/// Shared memory per database entry: its state, its error text, its relays' rounds in flight.
+pub const ENTRY_BYTES: usize =
+    size_of::<DatabaseShared>() + size_of::<ErrorText>() + size_of::<in_flight::InFlightEntry>();
 
 /// Whether the extension is installed in an entry's database, as its relays found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,7 +41,6 @@ pub enum ExtensionState {
 
 /// One relayed database's shared state. Plain atomics: it is read on every commit that enqueued,
 /// so it must never take a lock.
-#[derive(Default)]
 pub struct DatabaseShared {
     /// The database (its OID), 0 while the entry is free. Written only by the launcher.
     database: AtomicU32,
@@ -39,12 +50,14 @@ pub struct DatabaseShared {
     relay_proc: [AtomicUsize; MAX_RELAYS],
     /// Process id of each relay by slot, 0 while none runs.
     relay_pid: [AtomicI32; MAX_RELAYS],
+    /// When each relay last went round its loop (PostgreSQL timestamp, µs): a relay that has not
+    /// for longer than `outbox.lease` hangs (SIGSTOP, a stuck call) and does not count when the
+    /// others divide the shards among themselves.
+    relay_alive_at: [AtomicI64; MAX_RELAYS],
     /// Whether the relays' last contact with Redis succeeded.
     redis_connected: AtomicBool,
     /// When the entry's last error was set (PostgreSQL timestamp, µs since 2000), 0 if never.
     last_error_at: AtomicI64,
-    /// Set once `outbox.fault_injection` fired, so that it fires once per arming.
-    fault_fired: AtomicBool,
     /// When the next housekeeping is due (PostgreSQL timestamp, µs); whichever relay gets there
     /// first does it, so a hung relay never stops the lease reaper or the age alert.
     housekeeping_due: AtomicI64,
@@ -58,56 +71,120 @@ pub struct DatabaseShared {
     /// Shards (one bit each) that transactions committed events into since the relays last looked:
     /// a round reads only these, and every shard once per poll interval.
     committed_shards: AtomicU32,
+    /// Set when a replay was asked for (`outbox.replay`), and by a relay that starts (it may have
+    /// left one unfinished): the relays look for replays to run until one finds none.
+    replay_requested: AtomicBool,
+    /// Loss repairs (src/relay/losses.rs): raised when a relay records a loss with
+    /// `outbox.replay_on_loss`, when housekeeping finds a repair running, and when the entry is
+    /// claimed (a repair may be left unfinished); `repairs_seen` is the count a relay had read
+    /// before it found no repair running. While they differ no relay of the database starts a
+    /// live round.
+    repairs_raised: AtomicU64,
+    repairs_seen: AtomicU64,
 }
 
-/// What the whole cluster shares.
+// SAFETY: only atomics, which all-zero bytes make valid (0, false, null), shared by processes.
+unsafe impl Zeroed for DatabaseShared {}
+
+/// What the whole cluster shares besides the entries.
 #[derive(Default)]
 pub struct RelayShared {
-    databases: [DatabaseShared; MAX_DATABASES],
     /// A database being dropped (its OID), set by the drop hook in the dropping backend: the relays
     /// connected to it exit so that DROP DATABASE does not find them there. 0 when none.
     step_aside_for: AtomicU32,
     /// The launcher's `PGPROC`, 0 while it does not run: set to wake it for a rescan.
     launcher_proc: AtomicUsize,
+    /// Set by the launcher while every entry serves a database with outbox_pg and a database it
+    /// would relay has none: `outbox_enqueue` then refuses in a database without an entry, since
+    /// no relay would deliver its events.
+    full: AtomicBool,
+    /// Set by the launcher after a pass that left no entry to a probe (every entry free or serving
+    /// a database with outbox_pg): which databases are relayed is then decided. False from server
+    /// start until the launcher's first such pass, and again while probes run: `outbox_enqueue` in
+    /// a database without an entry waits for it (`await_decision`), so that a database about to be
+    /// left out never accepts events in the first seconds after a start.
+    decided: AtomicBool,
     /// Bumped by every committed `CREATE EXTENSION` or `CREATE DATABASE`: the launcher looks again
     /// at the databases where it found no extension.
     rescan_generation: AtomicU32,
 }
 
-/// An entry's most recent error message, truncated to fit; shown in `outbox.stats`.
+/// An entry's most recent error message, truncated to fit; shown in `outbox.stats`. Read and
+/// written only under `LAST_ERROR` (they are written rarely).
 pub struct ErrorText {
-    len: usize,
-    bytes: [u8; ERROR_TEXT_CAPACITY],
+    len: UnsafeCell<usize>,
+    bytes: UnsafeCell<[u8; ERROR_TEXT_CAPACITY]>,
 }
 
 const ERROR_TEXT_CAPACITY: usize = 512;
 
-impl Default for ErrorText {
-    fn default() -> Self {
-        ErrorText { len: 0, bytes: [0; ERROR_TEXT_CAPACITY] }
-    }
-}
-
-/// The error texts of all entries, under one lock (they are written rarely).
-#[derive(Default)]
-pub struct ErrorTexts([ErrorText; MAX_DATABASES]);
-
-// SAFETY: plain bytes, valid in shared memory.
-unsafe impl PGRXSharedMemory for ErrorTexts {}
-
-// SAFETY: the name is unique to this extension.
-static LAST_ERROR: PgLwLock<ErrorTexts> = unsafe { PgLwLock::new(c"outbox_pg_last_error") };
+// SAFETY: plain bytes (an empty text when zeroed), valid in shared memory.
+unsafe impl Zeroed for ErrorText {}
 
 // SAFETY: only atomics inside, valid in shared memory across processes.
 unsafe impl PGRXSharedMemory for RelayShared {}
 
-// SAFETY: the name is unique to this extension.
+// SAFETY: the names are unique to this extension.
 static RELAY: PgAtomic<RelayShared> = unsafe { PgAtomic::new(c"outbox_pg_relay") };
+static DATABASES: SharedArray<DatabaseShared> = unsafe { SharedArray::new(c"outbox_pg_databases") };
+static ERROR_TEXTS: SharedArray<ErrorText> = unsafe { SharedArray::new(c"outbox_pg_last_errors") };
+/// Guards `ERROR_TEXTS`.
+static LAST_ERROR: PgLwLock<()> = unsafe { PgLwLock::new(c"outbox_pg_last_error") };
 
-/// Requests the shared memory; must be called from `_PG_init` while preloading.
+/// Requests the shared memory; must be called from `_PG_init` while preloading, after the settings
+/// are defined (`outbox.max_databases` sizes it).
 pub fn init() {
     pg_shmem_init!(RELAY);
-    pg_shmem_init!(LAST_ERROR);
+    pg_shmem_init!(LAST_ERROR = ());
+    // SAFETY: called once, from _PG_init while preloading, before the postmaster calls the hooks.
+    unsafe {
+        PREVIOUS_REQUEST_HOOK = pg_sys::shmem_request_hook;
+        pg_sys::shmem_request_hook = Some(request_entries);
+        PREVIOUS_STARTUP_HOOK = pg_sys::shmem_startup_hook;
+        pg_sys::shmem_startup_hook = Some(attach_entries);
+    }
+}
+
+static mut PREVIOUS_REQUEST_HOOK: pg_sys::shmem_request_hook_type = None;
+static mut PREVIOUS_STARTUP_HOOK: pg_sys::shmem_startup_hook_type = None;
+
+/// Reserves the entries `outbox.max_databases` asks for (the postmaster, once).
+#[pg_guard]
+unsafe extern "C-unwind" fn request_entries() {
+    // SAFETY: the hook chain set up by `init`; the requests are made from the request hook.
+    unsafe {
+        if let Some(previous) = PREVIOUS_REQUEST_HOOK {
+            previous();
+        }
+        let entries = crate::guc::max_databases();
+        DATABASES.request(entries);
+        ERROR_TEXTS.request(entries);
+        in_flight::ROUNDS.request(entries);
+    }
+}
+
+/// Creates or finds the entries (the postmaster, at start and after a crash restart).
+#[pg_guard]
+unsafe extern "C-unwind" fn attach_entries() {
+    // SAFETY: the hook chain set up by `init`; the arrays are attached under AddinShmemInitLock,
+    // with the length requested (the setting cannot change while the server runs).
+    unsafe {
+        if let Some(previous) = PREVIOUS_STARTUP_HOOK {
+            previous();
+        }
+        let entries = crate::guc::max_databases();
+        let lock = sized::addin_shmem_init_lock();
+        pg_sys::LWLockAcquire(lock, pg_sys::LWLockMode::LW_EXCLUSIVE);
+        DATABASES.attach(entries);
+        ERROR_TEXTS.attach(entries);
+        in_flight::ROUNDS.attach(entries);
+        pg_sys::LWLockRelease(lock);
+    }
+}
+
+/// How many database entries there are: `outbox.max_databases` at server start.
+pub fn database_entries() -> usize {
+    DATABASES.get().len()
 }
 
 fn now_us() -> i64 {
@@ -120,13 +197,26 @@ fn my_database() -> u32 {
     unsafe { pg_sys::MyDatabaseId }.to_u32()
 }
 
-/// The entry of the database this process is connected to, if the launcher serves it.
+/// The entry of the database this process is connected to, if the launcher serves it. Every
+/// commit that enqueued asks, so the entry found last is checked first, not all of them.
 pub fn this_entry() -> Option<usize> {
-    entry_of(pg_sys::Oid::from(my_database()))
+    thread_local! {
+        static FOUND: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    let database = my_database();
+    let found = FOUND.get();
+    if database != 0
+        && DATABASES.get().get(found).is_some_and(|entry| entry.database.load(Ordering::SeqCst) == database)
+    {
+        return Some(found);
+    }
+    let entry = entry_of(pg_sys::Oid::from(database))?;
+    FOUND.set(entry);
+    Some(entry)
 }
 
 fn here() -> Option<&'static DatabaseShared> {
-    this_entry().map(|entry| &RELAY.get().databases[entry])
+    this_entry().map(|entry| &DATABASES.get()[entry])
 }
 
 // ---- The launcher's side -------------------------------------------------------------------
@@ -135,15 +225,17 @@ fn here() -> Option<&'static DatabaseShared> {
 pub fn entry_of(database: pg_sys::Oid) -> Option<usize> {
     let database = database.to_u32();
     (database != 0).then_some(())?;
-    RELAY.get().databases.iter().position(|entry| entry.database.load(Ordering::SeqCst) == database)
+    DATABASES.get().iter().position(|entry| entry.database.load(Ordering::SeqCst) == database)
 }
 
 /// The databases that have an entry (left by a previous launcher, for one that starts).
 pub fn assigned_databases() -> Vec<(usize, pg_sys::Oid)> {
-    let shared = RELAY.get();
-    (0..MAX_DATABASES)
-        .filter_map(|entry| {
-            let database = shared.databases[entry].database.load(Ordering::SeqCst);
+    DATABASES
+        .get()
+        .iter()
+        .enumerate()
+        .filter_map(|(entry, state)| {
+            let database = state.database.load(Ordering::SeqCst);
             (database != 0).then(|| (entry, pg_sys::Oid::from(database)))
         })
         .collect()
@@ -151,31 +243,119 @@ pub fn assigned_databases() -> Vec<(usize, pg_sys::Oid)> {
 
 /// Assigns a free entry to `database`, its state reset; `None` when all are taken.
 pub fn claim_entry(database: pg_sys::Oid) -> Option<usize> {
-    let shared = RELAY.get();
-    let entry = shared.databases.iter().position(|entry| entry.database.load(Ordering::SeqCst) == 0)?;
-    let state = &shared.databases[entry];
+    let entries = DATABASES.get();
+    let entry = entries.iter().position(|entry| entry.database.load(Ordering::SeqCst) == 0)?;
+    let state = &entries[entry];
     state.extension.store(ExtensionState::Unknown as u8, Ordering::SeqCst);
     state.redis_connected.store(false, Ordering::SeqCst);
     state.last_error_at.store(0, Ordering::SeqCst);
-    state.fault_fired.store(false, Ordering::SeqCst);
     state.housekeeping_due.store(0, Ordering::SeqCst);
     state.alert_logged_at.store(0, Ordering::SeqCst);
     state.paused.store(false, Ordering::SeqCst);
     state.published_total.store(0, Ordering::SeqCst);
     state.committed_shards.store(0, Ordering::SeqCst);
-    crate::claims::reset(entry);
+    state.replay_requested.store(true, Ordering::SeqCst);
+    state.repairs_seen.store(0, Ordering::SeqCst);
+    state.repairs_raised.store(1, Ordering::SeqCst);
+    crate::shared::in_flight::reset(entry);
     // Last: from now on backends in that database find the entry.
     state.database.store(database.to_u32(), Ordering::SeqCst);
     Some(entry)
 }
 
+/// Whether the launcher could not give every database it would relay an entry (see `full`).
+pub fn set_full(full: bool) {
+    RELAY.get().full.store(full, Ordering::SeqCst);
+}
+
+/// Whether this database has no relays because every entry serves another database: its events
+/// would never be delivered.
+pub fn left_out_for_lack_of_entries() -> bool {
+    RELAY.get().full.load(Ordering::SeqCst) && this_entry().is_none()
+}
+
+/// Records whether the launcher's last pass decided every entry (see `decided`).
+pub fn set_decided(decided: bool) {
+    RELAY.get().decided.store(decided, Ordering::SeqCst);
+}
+
+/// Whether no entry is held by a probe: each is free or serves a database with outbox_pg.
+pub fn no_entry_probing() -> bool {
+    DATABASES.get().iter().all(|entry| {
+        entry.database.load(Ordering::SeqCst) == 0
+            || entry.extension.load(Ordering::SeqCst) == ExtensionState::Present as u8
+    })
+}
+
+/// What `outbox_enqueue` in a database without an entry learns by waiting for the launcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// The database has an entry, or may get a free one: the events will be relayed.
+    Relayed,
+    /// Every entry serves another database with outbox_pg: this one is left out.
+    LeftOut,
+    /// The launcher did not decide within the wait (it is not running, or still starting).
+    Undecided,
+}
+
+/// For `outbox_enqueue`: whether this database's events will be relayed. With an entry, at once;
+/// without one, waits (on this backend's latch, interruptible) until the launcher has decided
+/// every entry, at most `wait`, then answers by what it decided. A backend that found its entry
+/// once finds it again without waiting.
+pub fn await_decision(wait: std::time::Duration) -> Decision {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if this_entry().is_some() {
+            return Decision::Relayed;
+        }
+        let relay = RELAY.get();
+        if relay.decided.load(Ordering::SeqCst) {
+            if this_entry().is_some() {
+                return Decision::Relayed;
+            }
+            let free = DATABASES.get().iter().any(|entry| entry.database.load(Ordering::SeqCst) == 0);
+            if free {
+                // A database that has just got outbox_pg (or in the transaction creating it): the
+                // launcher's rescan gives it the free entry.
+                return Decision::Relayed;
+            }
+            return Decision::LeftOut;
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return Decision::Undecided;
+        }
+        let ms = (deadline - now).as_millis().min(20) as std::ffi::c_long;
+        // SAFETY: a backend's own latch, waited on and reset as latch.h prescribes; interrupts
+        // (a cancel, a termination) are processed right after.
+        unsafe {
+            pg_sys::WaitLatch(
+                pg_sys::MyLatch,
+                (pg_sys::WL_LATCH_SET | pg_sys::WL_TIMEOUT | pg_sys::WL_EXIT_ON_PM_DEATH) as i32,
+                ms,
+                pg_sys::PG_WAIT_EXTENSION,
+            );
+            pg_sys::ResetLatch(pg_sys::MyLatch);
+        }
+        pgrx::check_for_interrupts!();
+    }
+}
+
+/// Whether every entry is assigned to a database whose relays found outbox_pg (none is a probe).
+pub fn every_entry_serves() -> bool {
+    DATABASES.get().iter().all(|entry| {
+        entry.database.load(Ordering::SeqCst) != 0
+            && entry.extension.load(Ordering::SeqCst) == ExtensionState::Present as u8
+    })
+}
+
 /// Frees an entry whose relays are all gone.
 pub fn release_entry(entry: usize) {
-    RELAY.get().databases[entry].database.store(0, Ordering::SeqCst);
+    DATABASES.get()[entry].database.store(0, Ordering::SeqCst);
 }
 
 pub fn extension_state(entry: usize) -> ExtensionState {
-    match RELAY.get().databases[entry].extension.load(Ordering::SeqCst) {
+    match DATABASES.get()[entry].extension.load(Ordering::SeqCst) {
         1 => ExtensionState::Present,
         2 => ExtensionState::Missing,
         _ => ExtensionState::Unknown,
@@ -184,7 +364,7 @@ pub fn extension_state(entry: usize) -> ExtensionState {
 
 /// Process id of the relay in `slot` of `entry`, if one runs there.
 pub fn relay_pid_at(entry: usize, slot: usize) -> Option<i32> {
-    Some(RELAY.get().databases[entry].relay_pid[slot].load(Ordering::SeqCst)).filter(|&pid| pid != 0)
+    Some(DATABASES.get()[entry].relay_pid[slot].load(Ordering::SeqCst)).filter(|&pid| pid != 0)
 }
 
 /// Called by the launcher once it runs: committed `CREATE EXTENSION`s wake it from now on.
@@ -214,16 +394,22 @@ pub fn request_rescan() {
 
 /// Records an error for the database of `entry` (the launcher's: a relay it could not start).
 pub fn set_error_at(entry: usize, message: &str) {
-    let mut texts = LAST_ERROR.exclusive();
-    let text = &mut texts.0[entry];
+    let Some(text) = ERROR_TEXTS.get().get(entry) else { return };
     // Truncate on a character boundary so the text stays valid UTF-8.
     let mut len = message.len().min(ERROR_TEXT_CAPACITY);
     while !message.is_char_boundary(len) {
         len -= 1;
     }
-    text.bytes[..len].copy_from_slice(&message.as_bytes()[..len]);
-    text.len = len;
-    RELAY.get().databases[entry].last_error_at.store(now_us(), Ordering::SeqCst);
+    {
+        let _exclusive = LAST_ERROR.exclusive();
+        // SAFETY: the texts are written only under the exclusive lock, and read under the shared.
+        unsafe {
+            let bytes = &mut *text.bytes.get();
+            bytes[..len].copy_from_slice(&message.as_bytes()[..len]);
+            *text.len.get() = len;
+        }
+    }
+    DATABASES.get()[entry].last_error_at.store(now_us(), Ordering::SeqCst);
 }
 
 // ---- A relay's side (its own database's entry) ---------------------------------------------
@@ -274,17 +460,6 @@ pub fn set_alert_logged(on: bool) {
     }
 }
 
-/// Whether the armed fault already fired; `arm` false re-arms it.
-pub fn fault_fired() -> bool {
-    here().is_some_and(|here| here.fault_fired.load(Ordering::SeqCst))
-}
-
-pub fn set_fault_fired(fired: bool) {
-    if let Some(here) = here() {
-        here.fault_fired.store(fired, Ordering::SeqCst);
-    }
-}
-
 /// Called by the relay in `slot` once it runs: from now on commits wake it. False when the
 /// launcher released its database's entry meanwhile (the relay then exits).
 pub fn register_relay(slot: usize) -> bool {
@@ -296,9 +471,31 @@ pub fn register_relay(slot: usize) -> bool {
     // Connected, so a drop of this database that asked relays to step aside has failed (the
     // connection waited for it to end): the request is void.
     let _ = RELAY.get().step_aside_for.compare_exchange(my_database(), 0, Ordering::SeqCst, Ordering::SeqCst);
+    here.relay_alive_at[slot].store(now_us(), Ordering::SeqCst);
     here.relay_pid[slot].store(pid, Ordering::SeqCst);
     here.relay_proc[slot].store(proc, Ordering::SeqCst);
     true
+}
+
+/// Called by the relay in `slot` every time round its loop: it is alive.
+pub fn relay_alive(slot: usize) {
+    if let Some(here) = here() {
+        here.relay_alive_at[slot].store(now_us(), Ordering::SeqCst);
+    }
+}
+
+/// How many relays of this database are running and alive: gone round their loop within `lease`.
+/// A relay that hangs (stopped, stuck) stops counting after `lease`, so that the others take all
+/// of its shards over, not just the share they had while it counted.
+pub fn relays_alive(lease: std::time::Duration) -> i32 {
+    let Some(here) = here() else { return 0 };
+    let now = now_us();
+    (0..MAX_RELAYS)
+        .filter(|&slot| {
+            here.relay_pid[slot].load(Ordering::SeqCst) != 0
+                && now - here.relay_alive_at[slot].load(Ordering::SeqCst) < lease.as_micros() as i64
+        })
+        .count() as i32
 }
 
 /// Called by the relay in `slot` when it stops.
@@ -324,6 +521,49 @@ pub fn set_extension_state(state: ExtensionState) -> ExtensionState {
 }
 
 /// Whether the relays are paused; set by them from `outbox.enabled` on every loop.
+/// A replay was asked for in this database (or may be left unfinished): the relays look.
+pub fn request_replay() {
+    if let Some(here) = here() {
+        here.replay_requested.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Whether the relays should look for a replay to run.
+pub fn replay_requested() -> bool {
+    here().is_some_and(|here| here.replay_requested.load(Ordering::SeqCst))
+}
+
+/// A relay found no replay to run.
+pub fn replays_done() {
+    if let Some(here) = here() {
+        here.replay_requested.store(false, Ordering::SeqCst);
+    }
+}
+
+/// A loss repair may run in this database: no relay of it starts a live round before one finds
+/// that none runs (`repairs_checked`).
+pub fn raise_repairs() {
+    if let Some(here) = here() {
+        here.repairs_raised.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether a loss repair may run in this database, and the count to hand to `repairs_checked`
+/// after looking. Two atomic loads: it is read before every live round.
+pub fn repairs_raised() -> Option<u64> {
+    let here = here()?;
+    let raised = here.repairs_raised.load(Ordering::SeqCst);
+    (raised != here.repairs_seen.load(Ordering::SeqCst)).then_some(raised)
+}
+
+/// A relay that read `raised` from `repairs_raised` then found no loss repair running: what was
+/// raised up to then is done (a repair raised meanwhile keeps the gate shut).
+pub fn repairs_checked(raised: u64) {
+    if let Some(here) = here() {
+        here.repairs_seen.fetch_max(raised, Ordering::SeqCst);
+    }
+}
+
 pub fn set_paused(paused: bool) {
     if let Some(here) = here() {
         here.paused.store(paused, Ordering::Relaxed);
@@ -360,7 +600,7 @@ pub fn add_published(events: i64) {
 pub fn request_step_aside(database: pg_sys::Oid) {
     RELAY.get().step_aside_for.store(database.to_u32(), Ordering::SeqCst);
     if let Some(entry) = entry_of(database) {
-        set_latches(&RELAY.get().databases[entry]);
+        set_latches(&DATABASES.get()[entry]);
     }
 }
 
@@ -404,13 +644,19 @@ pub fn published_total() -> i64 {
 /// This database's latest relay error and when it happened, if any.
 pub fn last_error() -> Option<(String, i64)> {
     let entry = this_entry()?;
-    let at = RELAY.get().databases[entry].last_error_at.load(Ordering::SeqCst);
+    let at = DATABASES.get()[entry].last_error_at.load(Ordering::SeqCst);
     if at == 0 {
         return None;
     }
-    let texts = LAST_ERROR.share();
-    let text = &texts.0[entry];
-    Some((String::from_utf8_lossy(&text.bytes[..text.len]).into_owned(), at))
+    let text = ERROR_TEXTS.get().get(entry)?;
+    let _shared = LAST_ERROR.share();
+    // SAFETY: read under the shared lock, written only under the exclusive one; `len` never
+    // exceeds the capacity.
+    let message = unsafe {
+        let bytes = &*text.bytes.get();
+        String::from_utf8_lossy(&bytes[..(*text.len.get()).min(ERROR_TEXT_CAPACITY)]).into_owned()
+    };
+    Some((message, at))
 }
 
 /// Sets the latches of this database's running relays. Safe to call from a commit callback: no

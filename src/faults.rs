@@ -1,0 +1,67 @@
+//! Faults a relay injects on purpose, for the fault tests and the demo: compiled only with the
+//! `fault-injection` cargo feature (`scripts/test.sh` and `scripts/demo.sh` build with it; the
+//! packages and `cargo pgrx install` without), so that a production library has neither the
+//! setting `outbox.fault_injection` nor any check of it on a relay's path. TimescaleDB compiles its
+//! waitpoints out the same way.
+//!
+//! `outbox.fault_injection = crash_after_publish` (superuser, reload): a relay exits right after
+//! Redis accepted a round and before the round is finished, as a crash would, once per arming
+//! (setting it to `none` and reloading arms it again). The launcher starts a new relay, which reads
+//! the same events and publishes them again: the duplicates the at-least-once promise allows.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
+use pgrx::prelude::*;
+use pgrx::{pg_shmem_init, PgAtomic, PostgresGucEnum};
+
+/// Failures a relay can be told to inject.
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fault {
+    #[name = c"none"]
+    None,
+    /// Exit right after a successful XADD, before the round is finished (once per arming).
+    #[name = c"crash_after_publish"]
+    CrashAfterPublish,
+}
+
+/// `outbox.fault_injection` (default `none`, reload, superuser only).
+static FAULT: GucSetting<Fault> = GucSetting::<Fault>::new(Fault::None);
+
+/// Whether the armed fault has fired since it was armed (all relays of the server).
+// SAFETY: the name is unique to this extension.
+static FIRED: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"outbox_pg_fault_fired") };
+
+/// Defines the setting; from `guc::init`.
+pub fn define_setting() {
+    GucRegistry::define_enum_guc(
+        c"outbox.fault_injection",
+        c"Failure the relay injects, for tests and demos: none or crash_after_publish.",
+        c"crash_after_publish makes a relay exit once, right after Redis accepted a round and before it is finished.",
+        &FAULT,
+        GucContext::Sighup,
+        GucFlags::SUPERUSER_ONLY,
+    );
+}
+
+/// Requests the shared flag; from `_PG_init` while preloading.
+pub fn init_shared_memory() {
+    pg_shmem_init!(FIRED);
+}
+
+/// After a reload: `none` arms the fault again.
+pub fn reloaded() {
+    if FAULT.get() == Fault::None {
+        FIRED.get().store(false, Ordering::SeqCst);
+    }
+}
+
+/// Right after Redis accepted `published` events of a round, before the round is finished.
+pub fn after_publish(published: usize) {
+    if FAULT.get() != Fault::CrashAfterPublish || published == 0 || FIRED.get().swap(true, Ordering::SeqCst) {
+        return;
+    }
+    log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before finishing the round");
+    // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
+    unsafe { pg_sys::proc_exit(1) };
+}
