@@ -15,7 +15,8 @@ GRANT SELECT ON outbox.snapshots TO outbox_admin;
 
 DROP FUNCTION outbox._claim_shards(integer, integer, integer);
 CREATE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
-RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean, bounded boolean)
+RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean, bounded boolean,
+               window_max_id bigint, window_last_id bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 SET jit = off
@@ -43,9 +44,10 @@ BEGIN
     END IF;
     UPDATE outbox.shards s SET claimed_at = clock_timestamp()
      WHERE s.claimed_by = relay_pid AND s.claimed_at < clock_timestamp() - (lease_ms / 3) * interval '1 millisecond';
-    -- What each shard reads up to, taken after the claim: now; or, for a shard more than a second
-    -- behind (a snapshot recorded over a second ago is ahead of its cursor), the first recorded
-    -- snapshot ahead of its cursor. "Ahead" is a larger xmax: the snapshot was taken after more
+    -- What each shard reads up to, taken after the claim: the end of the window it is publishing
+    -- in parts, with the position it reached; else now; or, for a shard more than a second behind
+    -- (a snapshot recorded over a second ago is ahead of its cursor), the first recorded snapshot
+    -- ahead of its cursor. "Ahead" is a larger xmax: the snapshot was taken after more
     -- transactions had completed, so after the cursor's. And whether the failure path has anything
     -- in these shards (most rounds then skip it).
     RETURN QUERY
@@ -56,55 +58,20 @@ BEGIN
                           WHERE p.taken_at < clock_timestamp() - interval '1 second'
                             AND pg_catalog.pg_snapshot_xmax(p.snap) > pg_catalog.pg_snapshot_xmax(m.cursor)
                           ORDER BY p.taken_at LIMIT 1) AS recorded
-                   FROM mine m)
-        SELECT b.shard, b.cursor::text, (extract(epoch FROM clock_timestamp() - b.cursor_at) * 1000)::bigint,
-               coalesce(b.recorded, pg_catalog.pg_current_snapshot())::text,
+                   FROM mine m WHERE m.window_upto IS NULL)
+        SELECT m.shard, m.cursor::text, (extract(epoch FROM clock_timestamp() - m.cursor_at) * 1000)::bigint,
+               coalesce(m.window_upto, b.recorded, pg_catalog.pg_current_snapshot())::text,
                EXISTS (SELECT 1 FROM outbox.held h
                         WHERE h.shard IN (SELECT shard FROM mine) AND h.status IN ('waiting', 'failed')),
-               b.recorded IS NOT NULL
-          FROM bounds b ORDER BY b.shard;
+               b.recorded IS NOT NULL,
+               m.window_max_id, m.window_last_id
+          FROM mine m LEFT JOIN bounds b ON b.shard = m.shard ORDER BY m.shard;
 END
 $fn$;
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 
--- The relays read the log in Rust, straight from its indexes (src/batch.rs); _read_shard runs the
--- same code.
+-- The relays read the log in Rust, straight from its indexes (src/log/window.rs).
 DROP FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer);
-CREATE FUNCTION outbox._read_log(the_shard smallint, cursor text, upto text, max_events integer)
-RETURNS TABLE (
-    txid           bigint,
-    id             bigint,
-    event_id       text,
-    aggregate_type text,
-    aggregate_id   text,
-    event_type     text,
-    payload        text,
-    headers        text,
-    stream         text,
-    created_at     text
-)
-LANGUAGE c STRICT VOLATILE
-AS 'MODULE_PATHNAME', 'read_log_wrapper';
-REVOKE ALL ON FUNCTION outbox._read_log(smallint, text, text, integer) FROM PUBLIC;
-
-CREATE OR REPLACE FUNCTION outbox._read_shard(the_shard smallint, cursor pg_snapshot, upto pg_snapshot, max_events integer)
-RETURNS TABLE (
-    txid           bigint,
-    id             bigint,
-    event_id       text,
-    aggregate_type text,
-    aggregate_id   text,
-    event_type     text,
-    payload        text,
-    headers        text,
-    stream         text,
-    created_at     text
-)
-LANGUAGE sql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-    SELECT * FROM outbox._read_log(the_shard, cursor::text, upto::text, max_events)
-$fn$;
 
 CREATE FUNCTION outbox._record_snapshot(record boolean)
 RETURNS boolean
@@ -158,7 +125,11 @@ BEGIN
     -- Every cursor starts just before the restoring transaction (outbox._initial_cursor keeps it in
     -- progress), so that its events are the first batch.
     fresh := outbox._initial_cursor();
-    UPDATE outbox.shards s SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL;
+    -- A window the dumped relays were publishing in parts starts again whole: what they had
+    -- published of it is published again (at least once, as for anything published after the dump).
+    UPDATE outbox.shards s
+       SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL,
+           window_upto = NULL, window_max_id = NULL, window_last_id = NULL;
     -- published_at of the restored published events: the dumped cursor's time, an upper bound.
     DELETE FROM outbox.ticks;
     DELETE FROM outbox.snapshots;
@@ -168,7 +139,8 @@ BEGIN
     -- One current table at every step (a unique index): clear first, then take the dumped states.
     -- A table the dumped cluster was still closing had no writer left when it was dumped.
     UPDATE outbox.generations
-       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL;
+       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL,
+           consumed_at = NULL, keep_for = NULL;
     UPDATE outbox.generations g
        SET state = CASE r.state WHEN 'closing' THEN 'closed' ELSE r.state END,
            opened_at = r.opened_at,
@@ -188,7 +160,7 @@ BEGIN
 END
 $fn$;
 
--- outbox_enqueue in Rust (src/enqueue.rs): the same checks and the same row, through kept plans;
+-- outbox_enqueue in Rust (src/enqueue/mod.rs): the same checks and the same row, through kept plans;
 -- SECURITY DEFINER without a pinned search_path (its statements qualify every name). Its SQL
 -- helper _prepare_enqueue is gone with the PL/pgSQL body.
 CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
@@ -204,7 +176,7 @@ SECURITY DEFINER
 AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
 DROP FUNCTION outbox._prepare_enqueue(text, text, text, text);
 
--- Comment only: the relays read the log in Rust now (src/batch.rs).
+-- Comment only: the relays read the log in Rust now (src/log/window.rs).
 CREATE OR REPLACE FUNCTION outbox.oldest_pending_age()
 RETURNS interval
 LANGUAGE plpgsql STABLE
@@ -220,7 +192,7 @@ BEGIN
     SELECT min(u.created_at) INTO oldest
       FROM outbox.shards s
      CROSS JOIN LATERAL (
-               -- Two index ranges per shard, as the relays read them (src/batch.rs).
+               -- Two index ranges per shard, as the relays read them (src/log/window.rs).
                SELECT min(e.created_at) AS created_at
                  FROM outbox.events e
                 WHERE e.shard = s.shard AND e.txid >= pg_snapshot_xmax(s.cursor)
@@ -235,13 +207,6 @@ BEGIN
     RETURN clock_timestamp() - oldest;
 END
 $fn$;
-
--- The counters are read in Rust too, straight from their primary key (src/counters.rs): a
--- generic plan made while outbox.aggregates was empty joined every counter with every aggregate.
-CREATE OR REPLACE FUNCTION outbox._counters(aggregate_types text[], aggregate_ids text[])
-RETURNS TABLE (ordinal bigint, last_seq bigint)
-LANGUAGE c STRICT STABLE
-AS 'MODULE_PATHNAME', 'counters_wrapper';
 
 -- The failure path's probes no longer depend on the statistics either: one index probe per
 -- aggregate (_held_aggregates), the rejected rows found through the primary key (_settle_held).
@@ -320,8 +285,9 @@ DROP FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigin
 -- speculative insertion); a workload where every event is its own aggregate (a payment, an
 -- order) makes a new counter for every event (docs/performance.md).
 CREATE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
+                                window_uptos text[], window_max_ids bigint[], window_last_ids bigint[],
                                 aggregate_types text[], aggregate_ids text[], last_seqs bigint[],
-                                counted boolean[])
+                                counted boolean[], published uuid[], published_seqs bigint[])
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -330,22 +296,27 @@ SET enable_seqscan = off
 AS $fn$
 DECLARE
     advanced integer;
+    current_generation smallint;
+    round bigint;
     -- A value, not clock_timestamp() in the statement: a volatile bound cannot be an index
     -- condition, and every round would then read every tick of each of its shards.
     recent timestamptz := clock_timestamp() - interval '1 second';
 BEGIN
     WITH moved AS (
         UPDATE outbox.shards s
-           SET cursor = x.cursor::pg_snapshot, cursor_at = clock_timestamp()
-          FROM unnest(shards, cursors) AS x(shard, cursor)
+           SET cursor = x.cursor::pg_snapshot, cursor_at = clock_timestamp(),
+               window_upto = x.window_upto::pg_snapshot, window_max_id = x.window_max_id,
+               window_last_id = x.window_last_id
+          FROM unnest(shards, cursors, window_uptos, window_max_ids, window_last_ids)
+               AS x(shard, cursor, window_upto, window_max_id, window_last_id)
          WHERE s.shard = x.shard AND s.claimed_by = relay_pid
-        RETURNING s.shard, s.cursor
+        RETURNING s.shard, s.cursor, s.window_upto IS NULL AS whole
     ), ticked AS (
         INSERT INTO outbox.ticks (shard, cursor, at)
         SELECT m.shard, m.cursor, clock_timestamp()
           FROM moved m
-         WHERE NOT EXISTS (SELECT 1 FROM outbox.ticks t
-                            WHERE t.shard = m.shard AND t.at > recent)
+         WHERE m.whole AND NOT EXISTS (SELECT 1 FROM outbox.ticks t
+                                        WHERE t.shard = m.shard AND t.at > recent)
         RETURNING 1
     )
     SELECT count(*) INTO advanced FROM moved;
@@ -366,6 +337,1281 @@ BEGIN
         SELECT t, i, s FROM unnest(aggregate_types, aggregate_ids, last_seqs, counted) AS x(t, i, s, c)
          WHERE NOT x.c;
     END IF;
+    IF cardinality(published) > 0 THEN
+        -- One row per round, in the table of the generation current now: retention truncates it
+        -- with that generation's log table, whose events it is mostly about.
+        SELECT g.generation INTO current_generation FROM outbox.generations g WHERE g.state = 'current';
+        round := nextval('outbox.journal_round_seq');
+        IF current_generation = 0 THEN
+            INSERT INTO outbox.journal_0 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+        ELSIF current_generation = 1 THEN
+            INSERT INTO outbox.journal_1 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+        ELSE
+            INSERT INTO outbox.journal_2 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+        END IF;
+    END IF;
 END
 $fn$;
-REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigint[], boolean[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) FROM PUBLIC;
+
+-- -------------------------------------------------------------------------------------------------
+-- Nothing committed is lost, under any interleaving (issue 23).
+-- -------------------------------------------------------------------------------------------------
+
+-- Retention: a closed table's bound is the next transaction id to be assigned (a snapshot's xmax
+-- is not above every running writer); a table is truncated once it has been consumed for keep,
+-- or for what outbox.purge asked (docs/worker.md, "Retention and table size").
+CREATE  FUNCTION outbox."_next_xid"() RETURNS bigint /* i64 */
+STRICT VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'next_xid_wrapper';
+REVOKE ALL ON FUNCTION outbox._next_xid() FROM PUBLIC;
+ALTER TABLE outbox.generations ADD COLUMN consumed_at timestamptz, ADD COLUMN keep_for interval;
+-- A table 0.2.0 closed may have a bound below a writer that was still running: raise it to one
+-- that is above every transaction that has an id now.
+UPDATE outbox.generations SET closed_below = greatest(closed_below, outbox._next_xid()::text::xid8) WHERE state = 'closed';
+DROP FUNCTION outbox._retention(interval, boolean);
+-- Retention, one step per call, each a few statements (docs/worker.md, "Retention and table size",
+-- has the rule and its proof):
+--   close     a switched table once the switch is visible to every new snapshot: closed_below is
+--             the next transaction id to be assigned, read after a snapshot that sees the switch
+--             committed, so it is above the id of every writer that can still insert into it;
+--   consumed  a closed table once every shard's cursor xmin has reached closed_below: each of its
+--             writers has ended and its events were published or moved to outbox.held;
+--   truncate  a consumed table once it has been consumed for keep (or, when outbox.purge asked
+--             for less, for its keep_for): published events are kept at least that long;
+--   switch    to the next table (which must be empty) when the current one is older than half of
+--             keep, or on purge_older_than (outbox.purge) when it holds events and was opened
+--             before now - purge_older_than;
+-- and deletes done rows of the failure path, old ticks and old dedup marks. keep NULL: no
+-- automatic switch or truncation (outbox.retention = 0), only what outbox.purge asked for. The
+-- TRUNCATE waits at most 100 ms for its lock (readers hold the tables for a moment each round)
+-- and is retried at the next call. Returns the number of events and rows removed.
+CREATE FUNCTION outbox._retention(keep interval, purge_older_than interval DEFAULT NULL)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+DECLARE
+    removed bigint := 0;
+    n bigint;
+    g record;
+    bound xid8;
+    oldest_cursor_xmin xid8;
+    switched smallint;
+BEGIN
+    -- Close. The switch has committed (pg_xact_status: never in the switching transaction itself,
+    -- whose own id a snapshot of its own does not list as running) and the statement's snapshot
+    -- sees it committed, so every writer that read the table as current did so under an earlier
+    -- snapshot, with a transaction id assigned before it (outbox_enqueue takes the id first); the
+    -- next id to be assigned, read after, is above all of theirs. (The xmax of a snapshot is not:
+    -- it is one above the latest *completed* id, and a writer still running may hold a higher one.)
+    FOR g IN SELECT * FROM outbox.generations
+              WHERE state = 'closing' AND pg_xact_status(switched_by) = 'committed'
+                AND pg_visible_in_snapshot(switched_by, pg_current_snapshot()) LOOP
+        bound := outbox._next_xid()::text::xid8;
+        UPDATE outbox.generations SET state = 'closed', closed_below = bound WHERE generation = g.generation;
+    END LOOP;
+
+    -- Consumed: every transaction below closed_below has ended, and every shard's cursor sees it.
+    SELECT min(pg_snapshot_xmin(s.cursor)) INTO oldest_cursor_xmin FROM outbox.shards s;
+    UPDATE outbox.generations SET consumed_at = clock_timestamp()
+     WHERE state = 'closed' AND consumed_at IS NULL AND closed_below <= oldest_cursor_xmin;
+
+    -- outbox.purge: closed and closing tables keep their events no longer than it asks.
+    IF purge_older_than IS NOT NULL THEN
+        UPDATE outbox.generations SET keep_for = least(coalesce(keep_for, purge_older_than), purge_older_than)
+         WHERE state IN ('closing', 'closed');
+    END IF;
+
+    -- Truncate what has been consumed for long enough.
+    FOR g IN SELECT * FROM outbox.generations
+              WHERE state = 'closed' AND consumed_at IS NOT NULL
+                AND (keep IS NOT NULL OR keep_for IS NOT NULL)
+                AND consumed_at <= clock_timestamp() - least(coalesce(keep, keep_for), coalesce(keep_for, keep))
+              ORDER BY closed_at LOOP
+        BEGIN
+            SET LOCAL lock_timeout = '100ms';
+            EXECUTE format('SELECT count(*) FROM outbox.events_%s', g.generation) INTO n;
+            -- The journal of the rounds finished while it was current goes with it: what it names
+            -- is gone (or in the older tables, truncated before).
+            EXECUTE format('TRUNCATE outbox.events_%1$s, outbox.journal_%1$s', g.generation);
+            UPDATE outbox.generations
+               SET state = 'empty', opened_at = NULL, closed_at = NULL, closed_below = NULL, switched_by = NULL,
+                   consumed_at = NULL, keep_for = NULL
+             WHERE generation = g.generation;
+            removed := removed + n;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- readers in the way: next time
+        END;
+    END LOOP;
+
+    -- Switch: the next table must be empty (truncated) first; outbox.purge switches only away from
+    -- a table that holds events, some of them older than it asks.
+    UPDATE outbox.generations c
+       SET state = 'closing', closed_at = clock_timestamp(), switched_by = pg_current_xact_id(),
+           keep_for = purge_older_than
+     WHERE c.state = 'current'
+       AND ((purge_older_than IS NOT NULL
+             AND c.opened_at <= clock_timestamp() - purge_older_than
+             AND EXISTS (SELECT 1 FROM outbox.events e WHERE e.generation = c.generation))
+            OR (keep > interval '0' AND c.opened_at < clock_timestamp() - keep / 2))
+       AND EXISTS (SELECT 1 FROM outbox.generations n WHERE n.generation = (c.generation + 1) % 3 AND n.state = 'empty')
+    RETURNING c.generation INTO switched;
+    IF switched IS NOT NULL THEN
+        UPDATE outbox.generations SET state = 'current', opened_at = clock_timestamp()
+         WHERE generation = (switched + 1) % 3;
+    END IF;
+
+    -- The failure path's done rows, old ticks (the oldest still needed: the oldest event's), dedup
+    -- marks: after keep, or what outbox.purge asked for (dedup marks are the consumers', and only
+    -- keep applies to them).
+    IF keep IS NOT NULL OR purge_older_than IS NOT NULL THEN
+        DELETE FROM outbox.held h
+         WHERE h.status IN ('published', 'skipped')
+           AND h.published_at <= clock_timestamp() - least(coalesce(keep, purge_older_than), coalesce(purge_older_than, keep));
+        GET DIAGNOSTICS n = ROW_COUNT;
+        removed := removed + n;
+    END IF;
+    IF keep IS NOT NULL THEN
+        DELETE FROM outbox.ticks t
+         WHERE t.at < least(now() - keep, coalesce((SELECT min(opened_at) FROM outbox.generations WHERE opened_at IS NOT NULL), now()))
+           AND EXISTS (SELECT 1 FROM outbox.ticks u WHERE u.shard = t.shard AND u.at > t.at);
+        DELETE FROM outbox.processed_messages p WHERE p.processed_at < now() - keep;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        removed := removed + n;
+    END IF;
+    RETURN removed;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._retention(interval, interval) IS
+    'Relay internal: one retention step: close, truncate and switch the event tables, delete done failure-path rows, old ticks and dedup marks';
+REVOKE ALL ON FUNCTION outbox._retention(interval, interval) FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION outbox.purge(older_than interval)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+-- outbox_admin may read rows but not write them: the change is made as the owner.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF older_than IS NULL OR older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox.purge: older_than must be a non-negative interval, got %', coalesce(older_than::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass e.g. ''7 days''; ''0'' purges every published event.';
+    END IF;
+    RETURN outbox._retention(NULL, older_than);
+END
+$fn$;
+
+-- Order locks: the cap counts the locks held; past it, a shared lock that forget_aggregates takes
+-- exclusively (src/enqueue/order.rs).
+CREATE  FUNCTION outbox."_exclude_transactions_past_the_cap"() RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'exclude_transactions_past_the_cap_wrapper';
+REVOKE ALL ON FUNCTION outbox._exclude_transactions_past_the_cap() FROM PUBLIC;
+CREATE OR REPLACE FUNCTION outbox.forget_aggregates()
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+-- Admins may read but not change the counters; forgetting them is done as owner.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    forgotten bigint;
+BEGIN
+    IF NOT outbox._exclude_transactions_past_the_cap() THEN
+        RAISE NOTICE 'outbox.forget_aggregates: a transaction that enqueued for more than 256 aggregates is running; nothing was forgotten'
+            USING HINT = 'Its events beyond the 256th aggregate carry no order lock to check; call outbox.forget_aggregates() again once it has ended.';
+        RETURN 0;
+    END IF;
+    DELETE FROM outbox.aggregates a
+     USING (SELECT g.aggregate_type, g.aggregate_id
+              FROM outbox.aggregates g
+             WHERE NOT EXISTS (SELECT 1 FROM outbox.events e
+                                WHERE e.aggregate_type = g.aggregate_type AND e.aggregate_id = g.aggregate_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.held h
+                                WHERE h.aggregate_type = g.aggregate_type AND h.aggregate_id = g.aggregate_id)
+               AND NOT outbox._enqueue_in_progress(g.aggregate_type, g.aggregate_id)
+               FOR UPDATE OF g SKIP LOCKED) idle
+     WHERE a.aggregate_type = idle.aggregate_type AND a.aggregate_id = idle.aggregate_id;
+    GET DIAGNOSTICS forgotten = ROW_COUNT;
+    RETURN forgotten;
+END
+$fn$;
+
+-- Bounded rounds: a window too large for one round is published in parts, transaction by
+-- transaction in the order of their largest ids, read on from an id (src/log/window.rs).
+ALTER TABLE outbox.shards ADD COLUMN window_upto pg_snapshot, ADD COLUMN window_max_id bigint,
+                          ADD COLUMN window_last_id bigint,
+                          ADD CONSTRAINT shards_window_whole CHECK ((window_upto IS NULL) = (window_max_id IS NULL)
+                                          AND (window_upto IS NULL) = (window_last_id IS NULL));
+DROP INDEX outbox.events_0_batch_idx;
+CREATE INDEX events_0_batch_idx ON outbox.events_0 (shard, txid, id);
+DROP INDEX outbox.events_1_batch_idx;
+CREATE INDEX events_1_batch_idx ON outbox.events_1 (shard, txid, id);
+DROP INDEX outbox.events_2_batch_idx;
+CREATE INDEX events_2_batch_idx ON outbox.events_2 (shard, txid, id);
+CREATE OR REPLACE VIEW outbox.messages AS
+SELECT e.id,
+       e.event_id,
+       e.aggregate_type,
+       e.aggregate_id,
+       h.aggregate_seq,
+       e.event_type,
+       e.payload,
+       e.headers,
+       e.stream,
+       CASE WHEN h.status IS NOT NULL THEN CASE h.status WHEN 'waiting' THEN 'pending' ELSE h.status END
+            WHEN pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor) OR w.consumed THEN 'published'
+            ELSE 'pending' END                                                  AS status,
+       e.created_at,
+       CASE WHEN h.status IS NOT NULL THEN h.published_at
+            WHEN pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor) THEN
+                coalesce((SELECT min(t.at) FROM outbox.ticks t
+                           WHERE t.shard = e.shard AND t.at >= e.created_at
+                             AND pg_catalog.pg_visible_in_snapshot(e.txid, t.cursor)), s.cursor_at)
+            WHEN w.consumed THEN s.cursor_at
+       END                                                                      AS published_at,
+       h.available_at,
+       coalesce(h.attempts, 0)                                                  AS attempts,
+       coalesce(h.rejections, 0)                                                AS rejections,
+       h.failed_at,
+       h.last_error,
+       e.txid,
+       e.shard
+  FROM outbox.events e
+  JOIN outbox.shards s ON s.shard = e.shard
+  -- Of a window published in parts (src/log/window.rs), what the position has passed: the events of
+  -- the transactions whose largest id in the shard is below it, and of the one at it up to it.
+  CROSS JOIN LATERAL (
+      SELECT s.window_upto IS NOT NULL
+             AND pg_catalog.pg_visible_in_snapshot(e.txid, s.window_upto)
+             AND NOT pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor)
+             AND ((SELECT max(m.id) FROM outbox.events m WHERE m.shard = e.shard AND m.txid = e.txid), e.id)
+                 <= (s.window_max_id, s.window_last_id) AS consumed) w
+  LEFT JOIN outbox.held h ON h.id = e.id
+UNION ALL
+-- Failure-path events whose log table retention has already truncated.
+SELECT h.id, h.event_id, h.aggregate_type, h.aggregate_id, h.aggregate_seq, h.event_type, h.payload, h.headers,
+       h.stream, CASE h.status WHEN 'waiting' THEN 'pending' ELSE h.status END, h.created_at, h.published_at,
+       h.available_at, h.attempts, h.rejections, h.failed_at, h.last_error, NULL::xid8, h.shard
+  FROM outbox.held h
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.events e WHERE e.event_id = h.event_id);
+
+-- Copies: CREATE DATABASE ... TEMPLATE of a relayed database is not relayed until adopted.
+CREATE TABLE outbox.installation (
+    database_oid oid         NOT NULL,
+    installed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE UNIQUE INDEX installation_one_row ON outbox.installation ((true));
+INSERT INTO outbox.installation (database_oid)
+SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database();
+COMMENT ON TABLE outbox.installation IS
+    'outbox_pg: the database this outbox belongs to; a copy made by CREATE DATABASE ... TEMPLATE is not relayed until outbox.adopt_copy()';
+GRANT SELECT ON outbox.installation TO outbox_admin;
+CREATE FUNCTION outbox._database_created_by()
+RETURNS xid8
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT CASE WHEN age(d.xmin) < 2000000000
+                THEN (pg_current_xact_id()::text::bigint - age(d.xmin))::text::xid8 END
+      FROM pg_database d WHERE d.datname = current_database()
+$fn$;
+REVOKE ALL ON FUNCTION outbox._database_created_by() FROM PUBLIC;
+
+CREATE FUNCTION outbox.adopt_copy(publish_copied_events boolean DEFAULT false)
+RETURNS text
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    original oid;
+    here oid;
+    created_by xid8;
+    skipped bigint := 0;
+BEGIN
+    SELECT i.database_oid INTO original FROM outbox.installation i;
+    SELECT d.oid INTO here FROM pg_database d WHERE d.datname = current_database();
+    IF publish_copied_events IS NULL THEN
+        RAISE EXCEPTION 'outbox.adopt_copy: publish_copied_events must be true or false, got NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'false (the default) leaves the copied events to the original database; true publishes them from here too.';
+    END IF;
+    IF original = here THEN
+        RAISE EXCEPTION 'outbox.adopt_copy: the outbox of database "%" is its own, not a copy', current_database()
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'adopt_copy is for a database created with CREATE DATABASE ... TEMPLATE from a relayed one; this one is relayed as it is.';
+    END IF;
+    -- Its relays wait for the claim rows: nobody publishes while the cursors move.
+    PERFORM 1 FROM outbox.shards FOR UPDATE;
+    IF NOT publish_copied_events THEN
+        created_by := outbox._database_created_by();
+        UPDATE outbox.shards
+           SET cursor = coalesce((created_by::text || ':' || created_by::text || ':')::pg_snapshot, outbox._initial_cursor()),
+               cursor_at = clock_timestamp(),
+               window_upto = NULL, window_max_id = NULL, window_last_id = NULL;
+        UPDATE outbox.held h
+           SET status = 'skipped', published_at = clock_timestamp(),
+               last_error = format('copied from database oid %s; left to it by outbox.adopt_copy()', original)
+         WHERE h.status IN ('waiting', 'failed');
+        GET DIAGNOSTICS skipped = ROW_COUNT;
+    END IF;
+    -- The copied claims name the original's relays, which are alive in their own database.
+    UPDATE outbox.shards SET claimed_by = NULL, claimed_at = NULL;
+    DELETE FROM outbox.snapshots;
+    UPDATE outbox.installation SET database_oid = here, installed_at = clock_timestamp();
+    RETURN CASE WHEN publish_copied_events
+                THEN format('adopted the copy of database oid %s; its undelivered events will be published from here too', original)
+                ELSE format('adopted the copy of database oid %s; its undelivered events are left to it (%s on the failure path skipped)', original, skipped)
+           END;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.adopt_copy(boolean) IS
+    'Makes a copied outbox (CREATE DATABASE ... TEMPLATE) this database''s own, so that its relays publish; copied undelivered events are left to the original unless publish_copied_events';
+REVOKE ALL ON FUNCTION outbox.adopt_copy(boolean) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.adopt_copy(boolean) TO outbox_admin;
+
+-- Health from index walks whatever the statistics (src/log/pending.rs): outbox._undelivered() is
+-- replaced by outbox._health(), which outbox.stats and oldest_pending_age() read.
+CREATE FUNCTION outbox._log_pending(count_events boolean)
+RETURNS TABLE (events bigint, oldest timestamptz)
+LANGUAGE c STRICT VOLATILE
+AS 'MODULE_PATHNAME', 'log_pending_sql_wrapper';
+
+CREATE FUNCTION outbox._health(count_events boolean DEFAULT true)
+RETURNS TABLE (undelivered bigint, failed bigint, oldest timestamptz, last_published_at timestamptz)
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+    SELECT l.events + CASE WHEN count_events
+                          THEN (SELECT count(*) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'waiting')
+                          ELSE 0 END,
+           CASE WHEN count_events
+                THEN (SELECT count(*) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'failed')
+                ELSE 0 END,
+           least(l.oldest, (SELECT min(h.created_at) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'waiting')),
+           greatest((SELECT max(t.last) FROM outbox.shards s
+                      CROSS JOIN LATERAL (SELECT max(k.at) AS last FROM outbox.ticks k WHERE k.shard = s.shard) t),
+                    (SELECT max(h.published_at) FROM outbox.held h WHERE h.status IN ('published', 'skipped') AND h.status = 'published'))
+      FROM outbox._log_pending(count_events) l
+$fn$;
+
+COMMENT ON FUNCTION outbox._health(boolean) IS
+    'outbox.stats'' figures: undelivered (log and failure path), failed, oldest undelivered and last published, from indexes only';
+CREATE OR REPLACE FUNCTION outbox.oldest_pending_age()
+RETURNS interval
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT clock_timestamp() - h.oldest FROM outbox._health(false) h
+$fn$;
+
+-- Replay (src/sql/replay.sql): the journal of what each round published, replays, stream marks
+-- and the losses the relays notice. Its Rust helpers first.
+CREATE  FUNCTION outbox."_wake_for_replay"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'wake_for_replay_wrapper';
+CREATE  FUNCTION outbox."_check_allowed_stream"(
+	"stream" TEXT /* & str */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'check_allowed_stream_for_replay_wrapper';
+COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
+    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s into)';
+COMMENT ON FUNCTION outbox._wake_for_replay() IS
+    'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';
+REVOKE ALL ON FUNCTION outbox._check_allowed_stream(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._wake_for_replay() FROM PUBLIC;
+
+-- Replay: sending events Redis lost (or that a new consumer needs) again, from the outbox, which
+-- keeps every published event for outbox.retention. docs/worker.md, "Replay" and "When Redis loses
+-- entries"; the relay side is src/relay/replay.rs.
+--
+-- What each round published is journaled by its finish (outbox._advance): the event ids in the
+-- order they went out and the aggregate_seq each was given. A replay walks that journal, so it
+-- sends exactly the events that were published, in the order they were (commit order per
+-- aggregate), with the aggregate_seq they had; it never sends an event that was not published,
+-- and it marks nothing.
+
+-- -------------------------------------------------------------------------------------------------
+-- The journal: one row per finished round that published something, in the table of the log's
+-- generation that was current then, truncated with it (outbox._retention). Insert-only.
+-- -------------------------------------------------------------------------------------------------
+CREATE SEQUENCE outbox.journal_round_seq AS bigint;
+COMMENT ON SEQUENCE outbox.journal_round_seq IS
+    'outbox_pg: numbers the journal''s rounds in the order they were finished';
+SELECT pg_catalog.pg_extension_config_dump('outbox.journal_round_seq', '');
+
+DO $tables$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE format($ddl$
+            CREATE TABLE outbox.journal_%1$s (
+                round       bigint      PRIMARY KEY,
+                finished_at timestamptz NOT NULL,
+                -- How many events the round published (the arrays' length).
+                events      integer     NOT NULL,
+                -- In the order Redis received them, and the aggregate_seq each was sent with.
+                event_ids   uuid[]      NOT NULL,
+                seqs        bigint[]    NOT NULL
+            ) WITH (autovacuum_vacuum_insert_threshold = -1)$ddl$, generation);
+        EXECUTE format('CREATE INDEX journal_%1$s_finished_idx ON outbox.journal_%1$s (finished_at)', generation);
+        EXECUTE format($c$COMMENT ON TABLE outbox.journal_%1$s IS
+            'outbox_pg: what each round published while log table %1$s was current (read it through outbox.journal)'$c$,
+            generation);
+        EXECUTE format('SELECT pg_catalog.pg_extension_config_dump(''outbox.journal_%1$s'', '''')', generation);
+    END LOOP;
+END
+$tables$;
+
+CREATE VIEW outbox.journal AS
+SELECT 0::smallint AS generation, j.* FROM outbox.journal_0 j
+UNION ALL
+SELECT 1::smallint, j.* FROM outbox.journal_1 j
+UNION ALL
+SELECT 2::smallint, j.* FROM outbox.journal_2 j;
+COMMENT ON VIEW outbox.journal IS
+    'outbox_pg: every round that published events: when, which event_ids in which order, with which aggregate_seq';
+
+-- -------------------------------------------------------------------------------------------------
+-- Replays asked for, and their progress.
+-- -------------------------------------------------------------------------------------------------
+-- A sequence of its own, not an identity column: pg_dump keeps an extension's sequence values only
+-- for sequences registered like its tables.
+CREATE SEQUENCE outbox.replay_id_seq AS bigint;
+COMMENT ON SEQUENCE outbox.replay_id_seq IS 'outbox_pg: replay ids (outbox.replays)';
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_id_seq', '');
+
+CREATE TABLE outbox.replay_requests (
+    id              bigint      PRIMARY KEY DEFAULT nextval('outbox.replay_id_seq'),
+    requested_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    requested_by    name        NOT NULL DEFAULT session_user,
+    -- The selection: events enqueued in [since, until), published at or after published_since,
+    -- and matching every filter given.
+    since           timestamptz NOT NULL,
+    until           timestamptz,
+    published_since timestamptz,
+    streams         text[],
+    -- streams are exact keys, not patterns (outbox.repair_losses: the stream Redis lost, whatever
+    -- its characters).
+    exact_streams   boolean     NOT NULL DEFAULT false,
+    aggregate_types text[],
+    event_ids       uuid[],
+    -- Sent to this stream instead of each event's own.
+    into_stream     text,
+    -- At most this many events a second (NULL: as fast as the relays go between live rounds).
+    max_rate        integer CHECK (max_rate > 0),
+    -- The journal rounds it walks: from first_round to last_round (the last finished when it was
+    -- asked for; later rounds are live traffic), and how many events they hold.
+    first_round     bigint      NOT NULL,
+    last_round      bigint      NOT NULL,
+    journaled       bigint      NOT NULL,
+    state           text        NOT NULL DEFAULT 'running' CHECK (state IN ('running', 'done', 'cancelled')),
+    -- Where it stands: the next journal round, and the position in that round's arrays.
+    next_round      bigint      NOT NULL,
+    next_index      integer     NOT NULL DEFAULT 0,
+    -- Journal entries walked so far; events sent, left out by the filters, no longer in the log
+    -- (retention removed them meanwhile, with or without the journal rounds naming them: what the
+    -- walk did not reach of `journaled` when it ends is missing too), refused by Redis.
+    walked          bigint      NOT NULL DEFAULT 0,
+    replayed        bigint      NOT NULL DEFAULT 0,
+    filtered        bigint      NOT NULL DEFAULT 0,
+    missing         bigint      NOT NULL DEFAULT 0,
+    errors          bigint      NOT NULL DEFAULT 0,
+    last_error      text,
+    -- The relay replaying it (a claim with a lease, like a shard's), and when the throttle lets
+    -- it go on.
+    claimed_by      integer,
+    claimed_at      timestamptz,
+    not_before      timestamptz,
+    finished_at     timestamptz
+);
+CREATE INDEX replay_requests_running_idx ON outbox.replay_requests (id) WHERE state = 'running';
+COMMENT ON TABLE outbox.replay_requests IS
+    'outbox_pg: replays asked for with outbox.replay(), with their progress (read them through outbox.replays)';
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_requests', '');
+
+CREATE VIEW outbox.replays AS
+SELECT r.id, r.state, r.requested_at, r.requested_by, r.since, r.until, r.published_since, r.streams,
+       r.aggregate_types, r.event_ids, r.into_stream, r.max_rate,
+       r.replayed, greatest(r.journaled - r.walked, 0) AS remaining, r.filtered, r.missing, r.errors,
+       r.last_error, r.finished_at
+  FROM outbox.replay_requests r;
+COMMENT ON VIEW outbox.replays IS
+    'outbox_pg: each replay: its selection, state (running, done, cancelled), events replayed, journal entries still to walk (remaining), left out by the filters, no longer retained (missing), refused by Redis (errors)';
+
+-- -------------------------------------------------------------------------------------------------
+-- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.
+-- -------------------------------------------------------------------------------------------------
+CREATE TABLE outbox.stream_marks (
+    -- Which Redis (its nodes as the relay names them in its logs, never credentials, and
+    -- " db N" for a database other than 0): the marks of one say nothing of another's.
+    target     text        COLLATE "C" NOT NULL,
+    stream     text        COLLATE "C" NOT NULL,
+    -- The last entry ID Redis returned for this stream (<ms>-<seq>), and when it was written.
+    last_ms    bigint      NOT NULL,
+    last_seq   bigint      NOT NULL,
+    written_at timestamptz NOT NULL,
+    PRIMARY KEY (target, stream)
+);
+COMMENT ON TABLE outbox.stream_marks IS
+    'outbox_pg: per stream, the last entry ID Redis returned to a relay: what the relays check Redis still has';
+
+CREATE SEQUENCE outbox.redis_loss_id_seq AS bigint;
+COMMENT ON SEQUENCE outbox.redis_loss_id_seq IS 'outbox_pg: loss ids (outbox.redis_losses)';
+SELECT pg_catalog.pg_extension_config_dump('outbox.redis_loss_id_seq', '');
+
+CREATE TABLE outbox.redis_losses (
+    id          bigint      PRIMARY KEY DEFAULT nextval('outbox.redis_loss_id_seq'),
+    stream      text        COLLATE "C" NOT NULL,
+    detected_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- What a relay had written last (entry ID, when), and what Redis had then (NULL: no stream).
+    expected_id text        NOT NULL,
+    expected_at timestamptz NOT NULL,
+    found_id    text,
+    -- The replay that repairs it (outbox.repair_losses, or outbox.replay_on_loss): the last one
+    -- asked for. Repaired once it is done with events replayed and none refused.
+    replay_id   bigint,
+    UNIQUE (stream, expected_id)
+);
+COMMENT ON TABLE outbox.redis_losses IS
+    'outbox_pg: streams Redis lost entries of after acknowledging them, as the relays found, and the replay that repairs each';
+SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox.replay(since, until, streams, aggregate_types, event_ids, into, published_since,
+--               partial, max_rate)
+--
+--     Asks the relays to publish again the published events enqueued in [since, until) that match
+--     every filter given, in the order they were published (commit order per aggregate), each with
+--     its event_id, aggregate_seq and created_at and a `replay` field naming the replay. Live
+--     traffic goes on; the replay runs between live rounds, in bounded rounds.
+--
+-- Parameters:
+--     since            enqueued at or after (required)
+--     until            enqueued before (NULL: no bound)
+--     streams          only events whose stream key is one of these (keys, or glob patterns as in
+--                      outbox.allowed_streams); the key is the event's own stream or the
+--                      outbox.stream template's now
+--     aggregate_types  only these aggregate types
+--     event_ids        only these events
+--     into             send them to this stream instead (outbox.allowed_streams applies)
+--     published_since  only events published at or after this time (what a Redis loss took)
+--     partial          replay what is left when retention removed part of the range, or when it
+--                      starts before this installation began recording
+--     max_rate         at most this many events a second
+-- Returns:
+--     the replay's id (outbox.replays)
+-- Raises:
+--     22004 for a NULL since or partial; 22023 for an empty range, empty or overlong into, an
+--     empty list of streams, aggregate types or event ids (or one with a NULL or empty element), a
+--     max_rate below 1, a range starting before this installation began recording, and a range
+--     retention removed in part (unless partial); 42501 for an into outbox.allowed_streams does not
+--     allow
+-- Reads:   outbox.generations, outbox.journal
+-- Writes:  insert outbox.replay_requests
+-- Called by: outbox_admin
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox.replay(since timestamptz, until timestamptz DEFAULT NULL, streams text[] DEFAULT NULL,
+                              aggregate_types text[] DEFAULT NULL, event_ids uuid[] DEFAULT NULL,
+                              "into" text DEFAULT NULL, published_since timestamptz DEFAULT NULL,
+                              partial boolean DEFAULT false, max_rate integer DEFAULT NULL)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+-- outbox_admin may not write outbox.replay_requests itself.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT outbox._request_replay(since, until, streams, aggregate_types, event_ids, "into", published_since,
+                                  partial, max_rate, false);
+$fn$;
+COMMENT ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) IS
+    'outbox_pg: publishes again the published events enqueued in [since, until) that match the filters, in order, with their event_id and aggregate_seq; returns the replay''s id (outbox.replays)';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._request_replay(since, until, streams, aggregate_types, event_ids, into, published_since,
+--                        partial, max_rate, exact_streams)
+--
+--     outbox.replay, and with exact_streams the streams are keys compared as they are (no glob, no
+--     comma, no trimming): outbox.repair_losses replays exactly the stream Redis lost.
+-- Returns, raises: as outbox.replay
+-- Called by: outbox.replay; outbox.repair_losses
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._request_replay(since timestamptz, until timestamptz, streams text[], aggregate_types text[],
+                                       event_ids uuid[], "into" text, published_since timestamptz, partial boolean,
+                                       max_rate integer, exact_streams boolean)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+AS $fn$
+DECLARE
+    kept_since timestamptz;
+    journaled_since timestamptz;
+    first_round bigint;
+    last_round bigint;
+    journaled bigint;
+    created bigint;
+BEGIN
+    IF since IS NULL THEN
+        RAISE EXCEPTION 'outbox.replay: since must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the enqueue time to replay from, e.g. since => now() - interval ''1 hour''.';
+    END IF;
+    IF partial IS NULL THEN
+        RAISE EXCEPTION 'outbox.replay: partial must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass partial => true to replay what is left of a range retention removed in part, or false (the default).';
+    END IF;
+    IF until IS NOT NULL AND until <= since THEN
+        RAISE EXCEPTION 'outbox.replay: the range [%, %) is empty', since, until
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass an until later than since, or none.';
+    END IF;
+    IF "into" IS NOT NULL AND ("into" = '' OR octet_length("into") > 512) THEN
+        RAISE EXCEPTION 'outbox.replay: into must be a Redis key of 1 to 512 bytes (got % bytes)', octet_length("into")
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass the stream to send the events to, or NULL for their own.';
+    END IF;
+    IF "into" IS NOT NULL THEN
+        PERFORM outbox._check_allowed_stream("into");
+    END IF;
+    IF streams IS NOT NULL AND (cardinality(streams) = 0
+                                OR EXISTS (SELECT 1 FROM unnest(streams) s
+                                            WHERE s IS NULL OR (s = '' AND NOT exact_streams))) THEN
+        RAISE EXCEPTION 'outbox.replay: streams must list keys or patterns, none of them empty or NULL (got %)', streams
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every stream.';
+    END IF;
+    IF aggregate_types IS NOT NULL AND (cardinality(aggregate_types) = 0
+                                        OR EXISTS (SELECT 1 FROM unnest(aggregate_types) a WHERE a IS NULL OR a = '')) THEN
+        RAISE EXCEPTION 'outbox.replay: aggregate_types must list aggregate types, none of them empty or NULL (got %)',
+                        aggregate_types
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every aggregate type.';
+    END IF;
+    IF event_ids IS NOT NULL AND (cardinality(event_ids) = 0
+                                  OR EXISTS (SELECT 1 FROM unnest(event_ids) e WHERE e IS NULL)) THEN
+        RAISE EXCEPTION 'outbox.replay: event_ids must list event ids, none of them NULL (got %)', event_ids
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every event.';
+    END IF;
+    IF max_rate IS NOT NULL AND max_rate < 1 THEN
+        RAISE EXCEPTION 'outbox.replay: max_rate must be 1 or more events a second (got %)', max_rate
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL to replay as fast as the relays go.';
+    END IF;
+    -- Every event published since this installation (or its upgrade to 0.3.0) is journaled; and
+    -- every event enqueued since the oldest log table still holding events was opened is kept.
+    SELECT i.installed_at INTO journaled_since FROM outbox.installation i;
+    SELECT min(g.opened_at) INTO kept_since FROM outbox.generations g WHERE g.state <> 'empty';
+    IF journaled_since IS NOT NULL AND since < journaled_since AND NOT partial THEN
+        RAISE EXCEPTION 'outbox.replay: the range starts at %, before anything was recorded: this outbox_pg installation (or its upgrade to 0.3.0) began recording published events at %',
+                        since, journaled_since
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Replay from %s, or pass partial => true to replay what was recorded.', journaled_since);
+    END IF;
+    IF kept_since IS NOT NULL AND since < kept_since AND NOT partial THEN
+        RAISE EXCEPTION 'outbox.replay: events enqueued from % to % are no longer retained (outbox.retention, outbox.purge)',
+                        since, kept_since
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = format('Replay from %s, the oldest enqueue time retention kept, or pass partial => true to replay what is left.',
+                                kept_since);
+    END IF;
+    -- Events enqueued at or after since were published at or after it.
+    SELECT min(j.round) INTO first_round FROM outbox.journal j
+     WHERE j.finished_at >= greatest(since, coalesce(published_since, since));
+    SELECT max(j.round) INTO last_round FROM outbox.journal j;
+    SELECT coalesce(sum(j.events), 0) INTO journaled FROM outbox.journal j
+     WHERE j.round BETWEEN first_round AND last_round;
+    INSERT INTO outbox.replay_requests (since, until, published_since, streams, exact_streams, aggregate_types,
+                                        event_ids, into_stream, max_rate, first_round, last_round, journaled,
+                                        next_round, state, finished_at)
+    VALUES (since, until, published_since, streams, exact_streams AND streams IS NOT NULL, aggregate_types, event_ids,
+            "into", max_rate, coalesce(first_round, 0), coalesce(last_round, -1), journaled, coalesce(first_round, 0),
+            CASE WHEN first_round IS NULL THEN 'done' ELSE 'running' END,
+            CASE WHEN first_round IS NULL THEN clock_timestamp() END)
+    RETURNING id INTO created;
+    PERFORM outbox._wake_for_replay();
+    RETURN created;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) IS
+    'outbox_pg: records a replay (outbox.replay; with exact stream keys for outbox.repair_losses); internal';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox.cancel_replay(replay)
+--
+--     Stops a running replay after the round in flight; what it sent stays sent.
+-- Returns: whether a running replay of that id was cancelled (false: it is done, cancelled
+--          already, or no replay has that id)
+-- Raises:  22004 for a NULL id; 22023 for an id below 1
+-- Writes:  update outbox.replay_requests
+-- Called by: outbox_admin
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox.cancel_replay(replay bigint)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF replay IS NULL THEN
+        RAISE EXCEPTION 'outbox.cancel_replay: replay must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the id outbox.replay returned (SELECT id FROM outbox.replays WHERE state = ''running'').';
+    END IF;
+    IF replay < 1 THEN
+        RAISE EXCEPTION 'outbox.cancel_replay: replay ids are 1 or more (got %)', replay
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass the id outbox.replay returned (SELECT id FROM outbox.replays WHERE state = ''running'').';
+    END IF;
+    UPDATE outbox.replay_requests r SET state = 'cancelled', finished_at = clock_timestamp()
+     WHERE r.id = replay AND r.state = 'running';
+    RETURN FOUND;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.cancel_replay(bigint) IS
+    'outbox_pg: stops a running replay after its round in flight; true if it was running';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._claim_replay(relay_pid, lease_ms)
+--
+--     Claims the oldest running replay that no live relay holds (FOR UPDATE SKIP LOCKED, with a
+--     lease, like the shards: a relay that exited loses it at once, one that hangs after lease_ms)
+--     and whose throttle lets it go on, or renews this relay's claim of it.
+-- Returns: the replay's row, or nothing
+-- Writes:  update outbox.replay_requests (claimed_by, claimed_at)
+-- Called by: a relay's replay round (src/relay/replay.rs)
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._claim_replay(relay_pid integer, lease_ms integer)
+RETURNS SETOF outbox.replay_requests
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    UPDATE outbox.replay_requests r SET claimed_by = relay_pid, claimed_at = clock_timestamp()
+     WHERE r.id = (SELECT q.id FROM outbox.replay_requests q
+                    WHERE q.state = 'running'
+                      AND (q.not_before IS NULL OR q.not_before <= clock_timestamp())
+                      AND (q.claimed_by IS NULL OR q.claimed_by = relay_pid
+                           OR q.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
+                           OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(q.claimed_by)))
+                    ORDER BY q.id
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED)
+    RETURNING r.*;
+$fn$;
+COMMENT ON FUNCTION outbox._claim_replay(integer, integer) IS
+    'outbox_pg: claims (or renews) a running replay for a relay, with a lease; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._replay_walk(first_round, first_index, last_round, max_rounds, max_entries)
+--
+--     The journal's rounds from first_round (from its entry first_index) up to last_round, in
+--     order, at most max_rounds, each cut to at most max_entries entries: a replay round reads
+--     about what it examines, not whole rounds of up to 10,000 entries.
+-- Returns: per round, the index of its first entry returned, those entries, and how many it holds
+-- Reads:   outbox.journal_0..2 (primary keys)
+-- Called by: a relay's replay round
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._replay_walk(first_round bigint, first_index integer, last_round bigint, max_rounds integer,
+                                    max_entries integer)
+RETURNS TABLE (round bigint, skip integer, event_ids uuid[], seqs bigint[], events integer)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+AS $fn$
+    SELECT r.round, r.skip, r.event_ids[r.skip + 1 : r.skip + max_entries], r.seqs[r.skip + 1 : r.skip + max_entries],
+           r.events
+      FROM (SELECT j.round, CASE WHEN j.round = first_round THEN greatest(first_index, 0) ELSE 0 END AS skip,
+                   j.event_ids, j.seqs, j.events
+              FROM outbox.journal j
+             WHERE j.round BETWEEN first_round AND last_round
+             ORDER BY j.round
+             LIMIT max_rounds) r
+     ORDER BY r.round;
+$fn$;
+COMMENT ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) IS
+    'outbox_pg: a stretch of the journal, in the order its rounds were finished; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._raw_size(value)
+--
+--     How many bytes a jsonb value holds uncompressed, read from its varlena or TOAST header: no
+--     detoasting, so it costs the same for a 1 GB payload as for a small one (pg_column_size gives
+--     the compressed size, 2 KB for 200 KB of repeated text). PostgreSQL's own byteaoctetlen, which
+--     reads any varlena's header that way.
+-- Called by: outbox._replay_select
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._raw_size(jsonb)
+RETURNS integer
+LANGUAGE internal IMMUTABLE STRICT PARALLEL SAFE
+AS 'byteaoctetlen';
+COMMENT ON FUNCTION outbox._raw_size(jsonb) IS
+    'outbox_pg: the uncompressed size of a jsonb value, without detoasting it; internal';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._replay_select(event_ids, since, until, aggregate_types, wanted)
+--
+--     What a replay round chooses by, without the payloads: the events of event_ids still in the
+--     log (or in outbox.held), each with what its stream key is made of, about how many bytes it
+--     takes on the wire (its payload and headers uncompressed, from their headers: no TOAST read), and
+--     whether it matches the replay's selection. One index probe per event and table.
+-- Reads:   outbox.events_0..2 (event_id indexes), outbox.held
+-- Called by: a relay's replay round, before outbox._replay_events fetches the events it sends
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._replay_select(event_ids uuid[], since timestamptz, until timestamptz,
+                                      aggregate_types text[], wanted uuid[])
+RETURNS TABLE (event_id uuid, aggregate_type text, event_type text, stream text, size bigint, matches boolean)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+    SELECT e.event_id, e.aggregate_type, e.event_type, e.stream,
+           300 + octet_length(e.aggregate_type) + octet_length(e.aggregate_id) + octet_length(e.event_type)
+               + outbox._raw_size(e.payload) + coalesce(outbox._raw_size(e.headers), 0) + coalesce(octet_length(e.stream), 0),
+           e.created_at >= since AND (until IS NULL OR e.created_at < until)
+           AND (aggregate_types IS NULL OR e.aggregate_type = ANY (aggregate_types))
+           AND (wanted IS NULL OR e.event_id = ANY (wanted))
+      FROM unnest(event_ids) AS x(event_id)
+      CROSS JOIN LATERAL (
+          SELECT l.event_id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream, l.created_at
+            FROM outbox.events_0 l WHERE l.event_id = x.event_id
+          UNION ALL
+          SELECT l.event_id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream, l.created_at
+            FROM outbox.events_1 l WHERE l.event_id = x.event_id
+          UNION ALL
+          SELECT l.event_id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream, l.created_at
+            FROM outbox.events_2 l WHERE l.event_id = x.event_id
+          UNION ALL
+          SELECT h.event_id, h.aggregate_type, h.aggregate_id, h.event_type, h.payload, h.headers, h.stream, h.created_at
+            FROM outbox.held h WHERE h.event_id = x.event_id AND h.status = 'published'
+          LIMIT 1
+      ) e;
+$fn$;
+COMMENT ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
+    'outbox_pg: the journaled events still retained, without their payloads: stream, size, whether each matches a replay''s selection; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._replay_events(event_ids, since, until, aggregate_types, wanted)
+--
+--     The events of event_ids still in the log (or, published from the failure path, in
+--     outbox.held), each with whether it matches the replay's selection. One index probe per event
+--     and table, whatever the statistics.
+-- Returns: per event found: its fields in the text form entries carry, and matches
+-- Reads:   outbox.events_0..2 (event_id indexes), outbox.held
+-- Called by: a relay's replay round
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._replay_events(event_ids uuid[], since timestamptz, until timestamptz,
+                                      aggregate_types text[], wanted uuid[])
+RETURNS TABLE (event_id uuid, id bigint, aggregate_type text, aggregate_id text, event_type text,
+               payload text, headers text, stream text, created_at text, matches boolean)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+    SELECT e.event_id, e.id, e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text, e.headers::text,
+           e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
+           e.created_at >= since AND (until IS NULL OR e.created_at < until)
+           AND (aggregate_types IS NULL OR e.aggregate_type = ANY (aggregate_types))
+           AND (wanted IS NULL OR e.event_id = ANY (wanted))
+      FROM unnest(event_ids) AS x(event_id)
+      CROSS JOIN LATERAL (
+          SELECT l.event_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream,
+                 l.created_at
+            FROM outbox.events_0 l WHERE l.event_id = x.event_id
+          UNION ALL
+          SELECT l.event_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream,
+                 l.created_at
+            FROM outbox.events_1 l WHERE l.event_id = x.event_id
+          UNION ALL
+          SELECT l.event_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream,
+                 l.created_at
+            FROM outbox.events_2 l WHERE l.event_id = x.event_id
+          UNION ALL
+          SELECT h.event_id, h.id, h.aggregate_type, h.aggregate_id, h.event_type, h.payload, h.headers, h.stream,
+                 h.created_at
+            FROM outbox.held h WHERE h.event_id = x.event_id AND h.status = 'published'
+          LIMIT 1
+      ) e;
+$fn$;
+COMMENT ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
+    'outbox_pg: the journaled events still retained, with whether each matches a replay''s selection; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._replay_progress(replay, relay_pid, next_round, next_index, walked, replayed, filtered,
+--                         missing, errors, last_error, done, not_before)
+--
+--     Records a replay round: the new position and counts, the throttle's next start, and done
+--     when the journal is walked to its last round (or to the end of what retention left of it:
+--     the entries of `journaled` the walk never reached are counted missing then); only while this
+--     relay holds the replay and it runs (a cancel wins).
+-- Returns: whether it was recorded
+-- Writes:  update outbox.replay_requests
+-- Called by: a relay's replay round, after Redis answered
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._replay_progress(replay bigint, relay_pid integer, next_round bigint, next_index integer,
+                                        walked bigint, replayed bigint, filtered bigint, missing bigint,
+                                        errors bigint, last_error text, done boolean, not_before timestamptz)
+RETURNS boolean
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH recorded AS (
+        UPDATE outbox.replay_requests r
+           SET next_round = _replay_progress.next_round, next_index = _replay_progress.next_index,
+               walked = CASE WHEN done THEN greatest(r.journaled, r.walked + _replay_progress.walked)
+                             ELSE r.walked + _replay_progress.walked END,
+               replayed = r.replayed + _replay_progress.replayed,
+               filtered = r.filtered + _replay_progress.filtered,
+               -- At the end of the walk, what it did not reach of what was journaled when the
+               -- replay was asked for went with the journal rounds retention truncated meanwhile.
+               missing = r.missing + _replay_progress.missing
+                         + CASE WHEN done THEN greatest(r.journaled - r.walked - _replay_progress.walked, 0) ELSE 0 END,
+               errors = r.errors + _replay_progress.errors,
+               last_error = coalesce(_replay_progress.last_error, r.last_error),
+               not_before = _replay_progress.not_before,
+               state = CASE WHEN done THEN 'done' ELSE r.state END,
+               finished_at = CASE WHEN done THEN clock_timestamp() END,
+               claimed_by = CASE WHEN done THEN NULL ELSE r.claimed_by END,
+               claimed_at = CASE WHEN done THEN NULL ELSE r.claimed_at END
+         WHERE r.id = replay AND r.claimed_by = relay_pid AND r.state = 'running'
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT 1 FROM recorded);
+$fn$;
+COMMENT ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) IS
+    'outbox_pg: records a replay round''s progress; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._store_marks(target, streams, last_ms, last_seqs, written_at)
+--
+--     Stores a relay's stream marks for the Redis it writes to (src/sink/marks.rs), keeping the
+--     later of each.
+-- Writes:  insert or update outbox.stream_marks
+-- Called by: a relay, at most once a second
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._store_marks(target text, streams text[], last_ms bigint[], last_seqs bigint[],
+                                    written_at timestamptz[])
+RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    INSERT INTO outbox.stream_marks AS m (target, stream, last_ms, last_seq, written_at)
+    SELECT target, x.* FROM unnest(streams, last_ms, last_seqs, written_at) AS x
+    ON CONFLICT (target, stream) DO UPDATE
+       SET last_ms = excluded.last_ms, last_seq = excluded.last_seq, written_at = excluded.written_at
+     WHERE (excluded.last_ms, excluded.last_seq) > (m.last_ms, m.last_seq);
+$fn$;
+COMMENT ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) IS
+    'outbox_pg: stores the last entry ID written to each stream; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox.repair_losses(losses)
+--
+--     Replays what Redis lost: for each loss not repaired (of those ids, or all), the events of
+--     exactly its stream (the key as it is: no pattern) published since the last entry Redis kept
+--     (every retained one, for a stream Redis lost whole), and records the replay with the loss.
+--     A loss is repaired once its replay is done with events replayed and none refused; one whose
+--     replay was cancelled or refused by Redis is replayed again. One whose replay is done having
+--     replayed nothing (no retained event maps to that stream under the outbox.stream template of
+--     now: it was written under an earlier one, or retention removed its events) is replayed again
+--     only when its id is passed; without ids it gets a WARNING saying what to do instead. Losses a
+--     running replay repairs are left to it.
+-- Returns: (loss, replay) per replay asked for
+-- Raises:  22023 for an empty array, or ids no loss has; 22004 for a NULL id
+-- Writes:  outbox.redis_losses (replay_id); outbox.replay_requests through outbox._request_replay
+-- Called by: outbox_admin; a relay when outbox.replay_on_loss is on
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox.repair_losses(losses bigint[] DEFAULT NULL)
+RETURNS TABLE (loss bigint, replay bigint)
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    l record;
+    kept_since timestamptz;
+    unknown bigint[];
+BEGIN
+    IF losses IS NOT NULL THEN
+        IF cardinality(losses) = 0 THEN
+            RAISE EXCEPTION 'outbox.repair_losses: losses must list loss ids (got %)', losses
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Pass NULL (or nothing) to repair every loss not repaired yet; the ids are in outbox.redis_losses.';
+        END IF;
+        IF array_position(losses, NULL) IS NOT NULL THEN
+            RAISE EXCEPTION 'outbox.repair_losses: losses must not hold NULL (got %)', losses
+                USING ERRCODE = 'null_value_not_allowed', HINT = 'Pass the ids of outbox.redis_losses to repair.';
+        END IF;
+        SELECT array_agg(x.id ORDER BY x.id) INTO unknown FROM unnest(losses) AS x(id)
+         WHERE NOT EXISTS (SELECT 1 FROM outbox.redis_losses r WHERE r.id = x.id);
+        IF unknown IS NOT NULL THEN
+            RAISE EXCEPTION 'outbox.repair_losses: no loss has the id(s) %', unknown
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'The ids are in outbox.redis_losses.';
+        END IF;
+    END IF;
+    SELECT coalesce(min(g.opened_at), '-infinity') INTO kept_since FROM outbox.generations g WHERE g.state <> 'empty';
+    FOR l IN SELECT r.*, q.state AS replay_state, q.replayed, q.errors
+               FROM outbox.redis_losses r
+               LEFT JOIN outbox.replay_requests q ON q.id = r.replay_id
+              WHERE losses IS NULL OR r.id = ANY (losses)
+              ORDER BY r.id FOR UPDATE OF r LOOP
+        -- Repaired, or being repaired.
+        CONTINUE WHEN l.replay_state = 'running' OR (l.replay_state = 'done' AND l.errors = 0 AND l.replayed > 0);
+        IF l.replay_state = 'done' AND l.errors = 0 AND losses IS NULL THEN
+            RAISE WARNING 'outbox.repair_losses: replay % of loss % replayed no event of stream "%": no retained event published since it was lost maps to that stream under the outbox.stream template of now',
+                          l.replay_id, l.id, l.stream
+                USING HINT = format('If stream %L was written under an earlier outbox.stream template (or an event''s own stream), replay its events into it: SELECT outbox.replay(since => ..., aggregate_types => ARRAY[...], "into" => %L). The loss stays counted in outbox.stats.redis_data_loss; SELECT outbox.repair_losses(ARRAY[%s]) tries it again.',
+                                    l.stream, l.stream, l.id);
+            CONTINUE;
+        END IF;
+        loss := l.id;
+        -- Redis's clock stamps its entry IDs: what it lost was written after the last ID it kept,
+        -- give or take a second between its clock and this server's.
+        replay := outbox._request_replay(kept_since, NULL, ARRAY[l.stream], NULL, NULL, NULL,
+                                         CASE WHEN l.found_id IS NOT NULL THEN
+                                             to_timestamp(split_part(l.found_id, '-', 1)::bigint / 1000.0) - interval '1 second' END,
+                                         true, NULL, true);
+        UPDATE outbox.redis_losses r SET replay_id = replay WHERE r.id = l.id;
+        RETURN NEXT;
+    END LOOP;
+END
+$fn$;
+COMMENT ON FUNCTION outbox.repair_losses(bigint[]) IS
+    'outbox_pg: replays exactly the stream of each loss in outbox.redis_losses not repaired (or of those ids); returns the replays';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._report_losses(streams, expected_ids, expected_at, found_ids)
+--
+--     Records losses a relay found; a loss another relay recorded already is not recorded twice.
+-- Returns: the losses recorded now
+-- Writes:  insert outbox.redis_losses
+-- Called by: a relay after a check of its stream marks (src/relay/worker.rs)
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._report_losses(streams text[], expected_ids text[], expected_at timestamptz[], found_ids text[])
+RETURNS SETOF outbox.redis_losses
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    INSERT INTO outbox.redis_losses (stream, expected_id, expected_at, found_id)
+    SELECT * FROM unnest(streams, expected_ids, expected_at, found_ids)
+    ON CONFLICT (stream, expected_id) DO NOTHING
+    RETURNING *;
+$fn$;
+COMMENT ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) IS
+    'outbox_pg: records the losses a relay found, once; relays only';
+
+REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer),
+                          outbox.cancel_replay(bigint), outbox.repair_losses(bigint[]) TO outbox_admin;
+GRANT SELECT ON outbox.replays, outbox.journal, outbox.redis_losses, outbox.stream_marks TO outbox_admin;
+GRANT SELECT ON outbox.replays, outbox.redis_losses TO pg_monitor;
+
+CREATE OR REPLACE VIEW outbox.stats AS
+SELECT
+    -- The relays' in-flight events (shared memory) are counted as publishing, not pending.
+    greatest(h.undelivered - r.in_flight, 0)                                AS pending,
+    r.in_flight                                                             AS publishing,
+    h.failed,
+    r.published_total,
+    clock_timestamp() - h.oldest                                            AS oldest_pending_age,
+    h.last_published_at,
+    r.worker_pid,
+    r.workers,
+    r.redis_connected,
+    r.last_error,
+    r.last_error_at,
+    -- Not repaired: no replay, or one cancelled, refused by Redis, or done having replayed nothing.
+    (SELECT count(*) FROM outbox.redis_losses l
+      WHERE NOT EXISTS (SELECT 1 FROM outbox.replay_requests q
+                         WHERE q.id = l.replay_id
+                           AND (q.state = 'running' OR (q.state = 'done' AND q.errors = 0 AND q.replayed > 0))))
+                                                                            AS redis_data_loss
+FROM outbox.relay_status() AS r, outbox._health() AS h;
+COMMENT ON COLUMN outbox.stats.redis_data_loss IS 'Losses of acknowledged entries the relays noticed (outbox.redis_losses) that no replay repaired or is repairing: none asked for, or one cancelled, refused by Redis, or done having replayed no event (outbox.repair_losses())';
+
+DROP FUNCTION outbox._undelivered();
+REVOKE ALL ON FUNCTION outbox._health(boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._log_pending(boolean) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._health(boolean) TO outbox_admin, pg_monitor;
+
+-- -------------------------------------------------------------------------------------------------
+-- The functions only tests call leave the install script: they are in the test build alone
+-- (schema tests, src/sql/test_helpers.sql), and its library alone has their C functions.
+-- -------------------------------------------------------------------------------------------------
+DROP FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer);
+DROP FUNCTION outbox._cursor_below(pg_snapshot, bigint);
+DROP FUNCTION outbox._counters(text[], text[]);
+DROP FUNCTION outbox._shard_of(text, text);
+
+-- -------------------------------------------------------------------------------------------------
+-- A COMMENT on every object (src/sql/, one file per concern; issue 25).
+-- -------------------------------------------------------------------------------------------------
+-- The data (schema.sql).
+COMMENT ON SEQUENCE outbox.events_id_seq IS
+    'outbox_pg: event ids, ascending across the three log tables (within an aggregate, id order is commit order)';
+COMMENT ON INDEX outbox.events_0_batch_idx IS
+    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
+COMMENT ON INDEX outbox.events_1_batch_idx IS
+    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
+COMMENT ON INDEX outbox.events_2_batch_idx IS
+    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
+COMMENT ON INDEX outbox.events_0_event_id_idx IS
+    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
+COMMENT ON INDEX outbox.events_1_event_id_idx IS
+    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
+COMMENT ON INDEX outbox.events_2_event_id_idx IS
+    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
+COMMENT ON INDEX outbox.generations_one_current IS
+    'outbox_pg: one current table at most; outbox_enqueue finds it through this index (by name)';
+COMMENT ON FUNCTION outbox._initial_cursor() IS
+    'Internal: the cursor a new installation starts from: everything visible now is consumed, except the calling transaction';
+COMMENT ON TABLE outbox.ticks IS
+    'outbox_pg: when each shard''s cursor passed where, about once a second at most: outbox.messages.published_at';
+COMMENT ON INDEX outbox.ticks_shard_at_idx IS
+    'outbox_pg: a shard''s ticks in time order (published_at; the latest, for outbox.stats.last_published_at)';
+COMMENT ON INDEX outbox.held_undelivered_idx IS
+    'outbox_pg: what the failure path still holds, per shard and aggregate in aggregate_seq order; the relay''s statements spell its predicate to use it';
+COMMENT ON INDEX outbox.held_done_idx IS
+    'outbox_pg: the failure path''s published and skipped rows by age, for retention';
+COMMENT ON INDEX outbox.aggregates_pkey IS
+    'outbox_pg: the relays read each aggregate''s counter through this index (by name), one probe per aggregate';
+COMMENT ON INDEX outbox.processed_messages_processed_at_idx IS
+    'outbox_pg: dedup marks by age, for outbox.retention and outbox.purge_processed';
+COMMENT ON INDEX outbox.installation_one_row IS 'outbox_pg: one row at most';
+
+-- The relay's statements (relay/*.sql).
+COMMENT ON FUNCTION outbox._claim_shards(integer, integer, integer) IS
+    'Relay internal: takes and keeps this relay''s share of the shards (SKIP LOCKED, lease) and returns what each reads up to this round';
+COMMENT ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) IS
+    'Relay internal: which of these aggregates (1-based positions) have events on the failure path, so that their new events wait behind them';
+COMMENT ON FUNCTION outbox._held_due(smallint[], integer, boolean) IS
+    'Relay internal: the failure path''s events due now in these shards, each aggregate''s up to its first one backing off or failed (in_order)';
+COMMENT ON FUNCTION outbox._hold(uuid[], bigint[], text[], integer, integer) IS
+    'Relay internal: moves events Redis rejected, and the events of their aggregates behind them, from the log to the failure path; returns how many failed';
+COMMENT ON FUNCTION outbox._settle_held(bigint[], bigint[], text[], integer, integer) IS
+    'Relay internal: marks the failure path''s events Redis accepted published, and backs off or fails those it rejected again; returns how many failed';
+COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) IS
+    'Relay internal: finishes a batch: moves the cursors (or window positions) of the shards this relay still holds and the counters of its aggregates, and journals what it published';
+COMMENT ON FUNCTION outbox._reap_shards(integer) IS
+    'Relay internal: frees the shards of relays that exited or whose lease expired; returns how many';
+COMMENT ON FUNCTION outbox._record_snapshot(boolean) IS
+    'Relay internal: forgets the recorded snapshots every cursor has passed and, while anything is undelivered, records one a second';
+
+-- The restore's rebase (restore.sql).
+COMMENT ON FUNCTION outbox._catch_restored_row() IS
+    'Internal (restore): keeps a dumped row of outbox.shards or outbox.generations aside for outbox._rebase instead of inserting it';
+COMMENT ON FUNCTION outbox._rebase_after_restore() IS
+    'Internal (restore): runs outbox._rebase after a restore''s insert into outbox.shards or outbox.generations';
+COMMENT ON TRIGGER catch_restored_shard ON outbox.shards IS
+    'outbox_pg: catches a restore''s dumped cursor for outbox._rebase';
+COMMENT ON TRIGGER catch_restored_generation ON outbox.generations IS
+    'outbox_pg: catches a restore''s dumped generation state for outbox._rebase';
+COMMENT ON TRIGGER rebase_restored_shards ON outbox.shards IS
+    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
+COMMENT ON TRIGGER rebase_restored_generations ON outbox.generations IS
+    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
+
+-- Copies and health (copies.sql, health.sql), and the functions written in Rust.
+COMMENT ON FUNCTION outbox._database_created_by() IS
+    'Internal: the transaction that created this database (events copied from a template are older, its own younger); NULL when frozen';
+COMMENT ON FUNCTION outbox._log_pending(boolean) IS
+    'Internal: the log''s undelivered events (counted when count_events) and when the oldest was enqueued, from the log''s indexes';
+COMMENT ON FUNCTION outbox.relay_pid() IS
+    'Process id of a relay serving this database, NULL when none runs';
+COMMENT ON FUNCTION outbox.redis_connected() IS
+    'Whether the relays'' last contact with Redis succeeded';
+COMMENT ON FUNCTION outbox.relays() IS
+    'One row per running relay of this database: slot, pid, the events it is publishing and since when, and whether that round is older than outbox.lease (a hung relay)';
+COMMENT ON FUNCTION outbox.relay_status() IS
+    'The relays'' state as outbox.stats shows it: pid, how many run, Redis health, latest error, events in flight and published since the server started';
+COMMENT ON FUNCTION outbox._next_xid() IS
+    'Internal: the next transaction id to be assigned, above every transaction that has one; retention''s bound on the writers of a switched table';
+COMMENT ON FUNCTION outbox._enqueue_in_progress(text, text) IS
+    'Internal: whether a transaction holds this aggregate''s order lock, i.e. is enqueuing for it right now (outbox.forget_aggregates)';
+COMMENT ON FUNCTION outbox._exclude_transactions_past_the_cap() IS
+    'Internal: keeps transactions past the order-lock cap out until this transaction ends; false, without waiting, while one runs (outbox.forget_aggregates)';
+COMMENT ON FUNCTION outbox._calling_role() IS
+    'Internal: the role the caller acts as outside any SECURITY DEFINER function (outbox_mark_processed)';
+
+-- outbox_enqueue draws its event ids in Rust (src/enqueue/mod.rs); the SQL-callable generator it
+-- once called had no other use.
+DROP FUNCTION outbox.uuid_generate_v7();
+
+-- outbox_mark_processed refuses a consumer name longer than 255 bytes (src/sql/dedup.sql).
+CREATE OR REPLACE FUNCTION @extschema@.outbox_mark_processed(consumer text, event_id uuid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    first_time boolean;
+    caller     regrole;
+    owner_role regrole;
+BEGIN
+    IF outbox_mark_processed.consumer IS NULL OR outbox_mark_processed.consumer = '' THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer must be a non-empty name, got %',
+                coalesce(quote_literal(outbox_mark_processed.consumer), 'NULL')
+            USING ERRCODE = CASE WHEN outbox_mark_processed.consumer IS NULL THEN 'null_value_not_allowed'
+                                 ELSE 'invalid_parameter_value' END,
+                  HINT = 'Name the consuming service, e.g. ''notifications''; each consumer deduplicates on its own.';
+    END IF;
+    IF octet_length(outbox_mark_processed.consumer) > 255 THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer name is % bytes long (starts with %), the limit is 255 bytes',
+                octet_length(outbox_mark_processed.consumer), quote_literal(left(outbox_mark_processed.consumer, 40))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Name the consuming service with at most 255 bytes, like aggregate and event types, e.g. ''notifications''.';
+    END IF;
+    IF outbox_mark_processed.event_id IS NULL THEN
+        RAISE EXCEPTION 'outbox_mark_processed: event_id must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the entry''s event_id field, e.g. outbox_mark_processed(''notifications'', ''…''::uuid).';
+    END IF;
+    -- A consumer name belongs to the role that used it first: another consumer marking events
+    -- under it would make this one skip them. current_user is the owner here (SECURITY DEFINER),
+    -- so the caller's role comes from _calling_role (the role in effect outside this function).
+    caller := outbox._calling_role();
+    SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
+    IF NOT FOUND THEN
+        INSERT INTO outbox.consumers AS c (consumer, owner)
+        VALUES (outbox_mark_processed.consumer, caller)
+        ON CONFLICT ON CONSTRAINT consumers_pkey DO NOTHING;
+        SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
+    END IF;
+    IF NOT pg_catalog.pg_has_role(caller::oid, owner_role::oid, 'MEMBER') THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer name % belongs to role %, not to %',
+                quote_literal(outbox_mark_processed.consumer), owner_role, caller
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Use a consumer name of your own, or have an outbox_admin release this one (DELETE FROM outbox.consumers WHERE consumer = ...) or grant you its owner role.';
+    END IF;
+    INSERT INTO outbox.processed_messages AS p (consumer, event_id)
+    VALUES (outbox_mark_processed.consumer, outbox_mark_processed.event_id)
+    ON CONFLICT ON CONSTRAINT processed_messages_pkey DO NOTHING
+    RETURNING true INTO first_time;
+    RETURN coalesce(first_time, false);
+END
+$fn$;
+

@@ -36,8 +36,21 @@ COMMENT ON TABLE outbox.restored_shards IS
 COMMENT ON TABLE outbox.restored_generations IS
     'outbox_pg: dumped generation states caught during a restore, until outbox._rebase() translates them (normally empty)';
 
--- Translates a restored dump into this cluster's transaction counter, once every dumped shard and
--- generation row is in. Idempotent while incomplete; returns whether it rebased.
+-- -------------------------------------------------------------------------------------------------
+-- outbox._rebase()
+--
+--     Translates a restored dump into this cluster's transaction counter, in the restoring
+--     transaction, once every dumped shard and generation row is in (the tables above). Idempotent
+--     while incomplete.
+--
+-- Returns:
+--     whether it rebased
+-- Reads:   outbox.restored_shards, outbox.restored_generations
+-- Writes:  update outbox.events_0..2 (txid), outbox.shards, outbox.generations; delete and insert
+--          outbox.ticks; delete outbox.snapshots, outbox.restored_shards, outbox.restored_generations
+-- Called by: outbox._rebase_after_restore, after each insert into outbox.shards or
+--            outbox.generations (a restore's)
+-- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._rebase()
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
@@ -70,7 +83,11 @@ BEGIN
     -- Every cursor starts just before the restoring transaction (outbox._initial_cursor keeps it in
     -- progress), so that its events are the first batch.
     fresh := outbox._initial_cursor();
-    UPDATE outbox.shards s SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL;
+    -- A window the dumped relays were publishing in parts starts again whole: what they had
+    -- published of it is published again (at least once, as for anything published after the dump).
+    UPDATE outbox.shards s
+       SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL,
+           window_upto = NULL, window_max_id = NULL, window_last_id = NULL;
     -- published_at of the restored published events: the dumped cursor's time, an upper bound.
     DELETE FROM outbox.ticks;
     DELETE FROM outbox.snapshots;
@@ -80,7 +97,8 @@ BEGIN
     -- One current table at every step (a unique index): clear first, then take the dumped states.
     -- A table the dumped cluster was still closing had no writer left when it was dumped.
     UPDATE outbox.generations
-       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL;
+       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL,
+           consumed_at = NULL, keep_for = NULL;
     UPDATE outbox.generations g
        SET state = CASE r.state WHEN 'closing' THEN 'closed' ELSE r.state END,
            opened_at = r.opened_at,
@@ -103,7 +121,14 @@ $fn$;
 COMMENT ON FUNCTION outbox._rebase() IS
     'Relay internal: translates a restored dump''s cursors and txids into this cluster''s (run by the restore''s triggers)';
 
--- Catches a dumped row instead of inserting it (the extension's own row is already there).
+-- -------------------------------------------------------------------------------------------------
+-- outbox._catch_restored_row()   trigger, BEFORE INSERT FOR EACH ROW on outbox.shards, outbox.generations
+--
+--     Catches a dumped row instead of inserting it (the extension's own row is already there),
+--     keeping it in outbox.restored_shards or outbox.restored_generations for outbox._rebase.
+--
+-- Writes:  insert or update outbox.restored_shards, outbox.restored_generations
+-- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._catch_restored_row()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -123,6 +148,15 @@ BEGIN
 END
 $fn$;
 
+COMMENT ON FUNCTION outbox._catch_restored_row() IS
+    'Internal (restore): keeps a dumped row of outbox.shards or outbox.generations aside for outbox._rebase instead of inserting it';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._rebase_after_restore()   trigger, AFTER INSERT FOR EACH STATEMENT on outbox.shards,
+--                                  outbox.generations
+--
+--     Runs outbox._rebase, which does nothing until the last dumped row is in.
+-- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._rebase_after_restore()
 RETURNS trigger
 LANGUAGE plpgsql
@@ -134,6 +168,9 @@ BEGIN
 END
 $fn$;
 
+COMMENT ON FUNCTION outbox._rebase_after_restore() IS
+    'Internal (restore): runs outbox._rebase after a restore''s insert into outbox.shards or outbox.generations';
+
 -- Created after the extension's own rows (schema.sql): from here on, only a restore inserts here.
 CREATE TRIGGER catch_restored_shard BEFORE INSERT ON outbox.shards
     FOR EACH ROW EXECUTE FUNCTION outbox._catch_restored_row();
@@ -143,6 +180,14 @@ CREATE TRIGGER rebase_restored_shards AFTER INSERT ON outbox.shards
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_after_restore();
 CREATE TRIGGER rebase_restored_generations AFTER INSERT ON outbox.generations
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_after_restore();
+COMMENT ON TRIGGER catch_restored_shard ON outbox.shards IS
+    'outbox_pg: catches a restore''s dumped cursor for outbox._rebase';
+COMMENT ON TRIGGER catch_restored_generation ON outbox.generations IS
+    'outbox_pg: catches a restore''s dumped generation state for outbox._rebase';
+COMMENT ON TRIGGER rebase_restored_shards ON outbox.shards IS
+    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
+COMMENT ON TRIGGER rebase_restored_generations ON outbox.generations IS
+    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
 
 REVOKE ALL ON FUNCTION outbox._rebase() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._catch_restored_row() FROM PUBLIC;

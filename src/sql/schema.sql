@@ -1,5 +1,9 @@
--- outbox_pg schema: the outbox table and the indexes the relay worker relies on.
--- Runs first in the install script (bootstrap), before any function is created.
+-- outbox_pg's data: the schema, its roles, and every table, with the indexes the relays and
+-- outbox_enqueue rely on: the log (three tables and the view over them), the generations
+-- retention moves them through, the shards and their cursors, the failure path, the per-aggregate
+-- counters, consumer dedup, and which database the installation belongs to. Runs first in the
+-- install script (bootstrap), before any function is created; the functions follow the way an
+-- event goes (src/lib.rs lists the files in order).
 
 -- The schema name is part of the contract (the worker and the docs use it), so refuse to adopt an
 -- existing schema of the same name rather than mixing our objects with a user's.
@@ -75,8 +79,10 @@ $roles$;
 -- -------------------------------------------------------------------------------------------------
 
 -- Ascending across the three tables: within an aggregate, id order is commit order (enqueues of
--- one aggregate take turns, see src/order.rs), and the relay sends in id order.
+-- one aggregate take turns, see src/enqueue/order.rs), and the relay sends in id order.
 CREATE SEQUENCE outbox.events_id_seq AS bigint;
+COMMENT ON SEQUENCE outbox.events_id_seq IS
+    'outbox_pg: event ids, ascending across the three log tables (within an aggregate, id order is commit order)';
 
 DO $tables$
 BEGIN
@@ -106,15 +112,31 @@ BEGIN
                 autovacuum_vacuum_insert_threshold = -1,
                 autovacuum_analyze_scale_factor = 0.02
             )$ddl$, generation);
-        -- The relays' only access path: a shard's transactions in txid order.
-        EXECUTE format('CREATE INDEX events_%1$s_batch_idx ON outbox.events_%1$s (shard, txid)', generation);
+        -- The relays' only access path: a shard's transactions in txid order, each transaction's
+        -- events in id order (a window too large for one round is read on from an id:
+        -- src/log/window.rs). The relays open it by name.
+        EXECUTE format('CREATE INDEX events_%1$s_batch_idx ON outbox.events_%1$s (shard, txid, id)', generation);
         -- Operators' and the failure path's: an event by its event_id.
         EXECUTE format('CREATE INDEX events_%1$s_event_id_idx ON outbox.events_%1$s (event_id)', generation);
         EXECUTE format($c$COMMENT ON TABLE outbox.events_%1$s IS
             'outbox_pg: events written by outbox_enqueue (generation %1$s of 3; read them through outbox.messages)'$c$, generation);
+        EXECUTE format($c$COMMENT ON INDEX outbox.events_%1$s_batch_idx IS
+            'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)'$c$, generation);
+        EXECUTE format($c$COMMENT ON INDEX outbox.events_%1$s_event_id_idx IS
+            'outbox_pg: an event by its event_id (outbox.messages, the failure path)'$c$, generation);
     END LOOP;
 END
 $tables$;
+
+-- All the events, whichever generation holds them. Reading through this view lets the planner
+-- merge the three tables' (shard, txid) index scans in txid order.
+CREATE VIEW outbox.events AS
+    SELECT 0::smallint AS generation, e.* FROM outbox.events_0 e
+    UNION ALL
+    SELECT 1::smallint, e.* FROM outbox.events_1 e
+    UNION ALL
+    SELECT 2::smallint, e.* FROM outbox.events_2 e;
+COMMENT ON VIEW outbox.events IS 'outbox_pg: the event log, all three generations';
 
 CREATE TABLE outbox.generations (
     generation   smallint    PRIMARY KEY CHECK (generation BETWEEN 0 AND 2),
@@ -126,19 +148,35 @@ CREATE TABLE outbox.generations (
     -- The transaction that switched away from this table: it must have committed before a
     -- snapshot can bound the table's writers.
     switched_by  xid8,
-    -- Every transaction that may have written to this table began before this txid (the xmax of a
-    -- snapshot taken after the switch committed). A shard whose cursor's xmin has passed it has
-    -- consumed everything in the table.
-    closed_below xid8
+    -- Every transaction that may have written to this table has a lower txid (the next txid to be
+    -- assigned, read after a snapshot that sees the switch committed: outbox._retention). A shard
+    -- whose cursor's xmin has reached it has consumed everything in the table.
+    closed_below xid8,
+    -- When every shard's cursor was first seen past closed_below: the table's last event was
+    -- published (or moved to outbox.held) by then. Retention counts from here.
+    consumed_at  timestamptz,
+    -- Set by outbox.purge(older_than): the table keeps its events no longer than this after
+    -- consumed_at, even when outbox.retention is longer.
+    keep_for     interval
 );
 CREATE UNIQUE INDEX generations_one_current ON outbox.generations ((true)) WHERE state = 'current';
+COMMENT ON INDEX outbox.generations_one_current IS
+    'outbox_pg: one current table at most; outbox_enqueue finds it through this index (by name)';
 INSERT INTO outbox.generations (generation, state, opened_at)
 VALUES (0, 'current', clock_timestamp()), (1, 'empty', NULL), (2, 'empty', NULL);
 COMMENT ON TABLE outbox.generations IS
     'outbox_pg: the three event tables'' turns: which one receives events, and when each may be truncated';
 
--- The cursor a new installation starts from: every transaction visible now is consumed, except the
--- one creating the extension, which may enqueue events itself.
+-- -------------------------------------------------------------------------------------------------
+-- outbox._initial_cursor()
+--
+--     The cursor a new installation starts from: every transaction visible now is consumed,
+--     except the caller's, which may enqueue events itself (CREATE EXTENSION, a restore's rebase).
+--
+-- Returns:
+--     a pg_snapshot
+-- Called by: the shards' rows below; outbox._rebase (restore.sql); outbox.adopt_copy (copies.sql)
+-- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._initial_cursor() RETURNS pg_snapshot
 LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
 AS $fn$
@@ -152,6 +190,9 @@ AS $fn$
                                       ORDER BY x), ','))::pg_snapshot
       FROM bounds
 $fn$;
+COMMENT ON FUNCTION outbox._initial_cursor() IS
+    'Internal: the cursor a new installation starts from: everything visible now is consumed, except the calling transaction';
+REVOKE ALL ON FUNCTION outbox._initial_cursor() FROM PUBLIC;
 
 -- The unit of work. A relay claims shards (FOR UPDATE SKIP LOCKED) and keeps them with a lease it
 -- renews; the reaper returns the shards of a relay that exited or whose lease expired.
@@ -163,7 +204,16 @@ CREATE TABLE outbox.shards (
     cursor_at  timestamptz NOT NULL,
     claimed_by integer,
     claimed_at timestamptz,
-    CONSTRAINT shards_claim_recorded CHECK ((claimed_by IS NULL) = (claimed_at IS NULL))
+    -- A window too large for one round (more than 10,000 events or 16 MB: one large transaction,
+    -- a backlog) is published in parts: its end, and the position up to which it is consumed (the
+    -- largest id of a transaction, and the last id of it published; src/log/window.rs). NULL
+    -- otherwise.
+    window_upto    pg_snapshot,
+    window_max_id  bigint,
+    window_last_id bigint,
+    CONSTRAINT shards_claim_recorded CHECK ((claimed_by IS NULL) = (claimed_at IS NULL)),
+    CONSTRAINT shards_window_whole CHECK ((window_upto IS NULL) = (window_max_id IS NULL)
+                                          AND (window_upto IS NULL) = (window_last_id IS NULL))
 ) WITH (fillfactor = 50);
 INSERT INTO outbox.shards (shard, cursor, cursor_at)
 SELECT s, outbox._initial_cursor(), clock_timestamp() FROM generate_series(0, 15) AS s;
@@ -178,6 +228,10 @@ CREATE TABLE outbox.ticks (
     at     timestamptz NOT NULL
 );
 CREATE INDEX ticks_shard_at_idx ON outbox.ticks (shard, at);
+COMMENT ON TABLE outbox.ticks IS
+    'outbox_pg: when each shard''s cursor passed where, about once a second at most: outbox.messages.published_at';
+COMMENT ON INDEX outbox.ticks_shard_at_idx IS
+    'outbox_pg: a shard''s ticks in time order (published_at; the latest, for outbox.stats.last_published_at)';
 
 -- Snapshots taken about once a second while events are undelivered (by housekeeping), kept until
 -- every cursor has passed them: PgQ's ticks. A shard whose cursor lags (after an outage, or behind a
@@ -220,6 +274,10 @@ CREATE TABLE outbox.held (
 CREATE INDEX held_undelivered_idx ON outbox.held (shard, aggregate_type, aggregate_id, aggregate_seq)
     WHERE status IN ('waiting', 'failed');
 CREATE INDEX held_done_idx ON outbox.held (published_at) WHERE status IN ('published', 'skipped');
+COMMENT ON INDEX outbox.held_undelivered_idx IS
+    'outbox_pg: what the failure path still holds, per shard and aggregate in aggregate_seq order; the relay''s statements spell its predicate to use it';
+COMMENT ON INDEX outbox.held_done_idx IS
+    'outbox_pg: the failure path''s published and skipped rows by age, for retention';
 COMMENT ON TABLE outbox.held IS
     'outbox_pg: events Redis rejected, dead letters, and the events of their aggregates waiting behind them';
 
@@ -233,6 +291,8 @@ CREATE TABLE outbox.aggregates (
 );
 COMMENT ON TABLE outbox.aggregates IS
     'outbox_pg: last aggregate_seq handed out per aggregate; kept after retention so that numbering never restarts';
+COMMENT ON INDEX outbox.aggregates_pkey IS
+    'outbox_pg: the relays read each aggregate''s counter through this index (by name), one probe per aggregate';
 -- Only last_seq changes, which no index covers: every update can be HOT, in place on its page.
 ALTER TABLE outbox.aggregates SET (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02);
 
@@ -247,6 +307,8 @@ CREATE TABLE outbox.processed_messages (
 COMMENT ON TABLE outbox.processed_messages IS
     'outbox_pg: events each consumer has processed (consumer-side deduplication); kept for outbox.retention';
 CREATE INDEX processed_messages_processed_at_idx ON outbox.processed_messages (processed_at);
+COMMENT ON INDEX outbox.processed_messages_processed_at_idx IS
+    'outbox_pg: dedup marks by age, for outbox.retention and outbox.purge_processed';
 ALTER TABLE outbox.processed_messages SET (autovacuum_vacuum_scale_factor = 0.02);
 
 -- Who may record under a consumer name: the role that used it first (and that role's members).
@@ -259,6 +321,22 @@ CREATE TABLE outbox.consumers (
 );
 COMMENT ON TABLE outbox.consumers IS
     'outbox_pg: consumer names and the role that owns each (its first user); only that role and its members may call outbox_mark_processed under the name';
+
+-- Which database this installation belongs to. CREATE DATABASE ... TEMPLATE copies a database
+-- with its outbox: the copy's relays find another database's OID here and publish nothing until an
+-- admin says what the copy is (outbox.adopt_copy), since the copied events are the original's and
+-- the copied counters would number the copy's events like the original's. Not dumped: a restore
+-- gets the row CREATE EXTENSION makes in the database it restores into.
+CREATE TABLE outbox.installation (
+    database_oid oid         NOT NULL,
+    installed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE UNIQUE INDEX installation_one_row ON outbox.installation ((true));
+COMMENT ON INDEX outbox.installation_one_row IS 'outbox_pg: one row at most';
+INSERT INTO outbox.installation (database_oid)
+SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database();
+COMMENT ON TABLE outbox.installation IS
+    'outbox_pg: the database this outbox belongs to; a copy made by CREATE DATABASE ... TEMPLATE is not relayed until outbox.adopt_copy()';
 
 -- pg_dump keeps the log (undelivered events among it), cursors, counters, the failure path and the
 -- dedup marks. The txid values and cursors belong to the dumped cluster: a restore rebases them onto
@@ -280,6 +358,7 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.consumers', '');
 -- never by writing rows.
 GRANT USAGE ON SCHEMA outbox TO outbox_admin;
 GRANT SELECT ON outbox.events_0, outbox.events_1, outbox.events_2, outbox.generations, outbox.shards,
-                outbox.ticks, outbox.snapshots, outbox.held, outbox.aggregates TO outbox_admin;
+                outbox.ticks, outbox.snapshots, outbox.held, outbox.aggregates, outbox.installation TO outbox_admin;
+GRANT SELECT ON outbox.events TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.processed_messages TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.consumers TO outbox_admin;

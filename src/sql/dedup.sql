@@ -1,61 +1,24 @@
--- outbox_pg's public API: outbox_enqueue (in the caller's transaction) and the consumer-side
--- deduplication functions, with their privileges. Part of the install script (see src/lib.rs for
--- the order of the parts: schema.sql, then this file and relay.sql, then operations.sql).
+-- Consumer-side deduplication, for consumers that write to PostgreSQL: they mark each event they
+-- process in their own transaction, together with its effect, so that the mark and the effect
+-- commit (or roll back) together (README, "Consuming events"). The marks are in
+-- outbox.processed_messages, the consumer names and their owners in outbox.consumers.
 
--- outbox_enqueue lives in the extension's schema (public by default) so that applications call it
--- without a schema prefix; everything else lives in schema outbox.
-CREATE FUNCTION @extschema@.outbox_enqueue(
-    aggregate_type text,
-    aggregate_id   text,
-    event_type     text,
-    payload        jsonb,
-    headers        jsonb DEFAULT NULL,
-    stream         text  DEFAULT NULL
-) RETURNS uuid
--- src/enqueue.rs: the argument checks, the order lock, and one insert into the log's current
--- table through plans kept for the session.
-LANGUAGE c VOLATILE PARALLEL UNSAFE
--- Writers (role outbox_writer) need no privilege on the log, so they cannot read other writers'
--- payloads. No pinned search_path (it would cost a GUC save and restore on every call): the
--- function's statements schema-qualify every name, operators included.
-SECURITY DEFINER
-AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
-
-COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) IS
-    'Writes one event to the outbox log in the caller''s transaction and returns its event_id; the relay publishes it to Redis after commit';
-
--- Overloads so that callers pass bigint or uuid ids without a cast. Named arguments work the same.
-CREATE FUNCTION @extschema@.outbox_enqueue(
-    aggregate_type text,
-    aggregate_id   bigint,
-    event_type     text,
-    payload        jsonb,
-    headers        jsonb DEFAULT NULL,
-    stream         text  DEFAULT NULL
-) RETURNS uuid
-LANGUAGE sql VOLATILE PARALLEL UNSAFE
-AS $fn$ SELECT @extschema@.outbox_enqueue($1, $2::text, $3, $4, $5, $6) $fn$;
-
-COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) IS
-    'outbox_enqueue for a bigint aggregate id (stored as its text form)';
-
-CREATE FUNCTION @extschema@.outbox_enqueue(
-    aggregate_type text,
-    aggregate_id   uuid,
-    event_type     text,
-    payload        jsonb,
-    headers        jsonb DEFAULT NULL,
-    stream         text  DEFAULT NULL
-) RETURNS uuid
-LANGUAGE sql VOLATILE PARALLEL UNSAFE
-AS $fn$ SELECT @extschema@.outbox_enqueue($1, $2::text, $3, $4, $5, $6) $fn$;
-
-COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) IS
-    'outbox_enqueue for a uuid aggregate id (stored as its text form)';
-
--- Consumer-side deduplication: true the first time a consumer processes an event, false on a
--- repeat. Call it in the consumer's own transaction together with the effect, so that the mark and
--- the effect commit (or roll back) together.
+-- -------------------------------------------------------------------------------------------------
+-- outbox_mark_processed(consumer, event_id)
+--
+--     Records that consumer processed event_id: true the first time, false on a repeat (skip the
+--     effect then). A consumer name belongs to the role that used it first (and that role's
+--     members): another role gets 42501, since its marks would make the owner skip events.
+--
+-- Parameters:
+--     consumer    the consuming service's name, not empty, at most 255 bytes
+--     event_id    the entry's event_id
+-- Returns:
+--     true the first time, false on a repeat
+-- Reads:   outbox.consumers
+-- Writes:  insert outbox.consumers (a name's first use), outbox.processed_messages
+-- Called by: consumers (role outbox_consumer), in their own transaction
+-- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION @extschema@.outbox_mark_processed(consumer text, event_id uuid)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
@@ -73,6 +36,12 @@ BEGIN
             USING ERRCODE = CASE WHEN outbox_mark_processed.consumer IS NULL THEN 'null_value_not_allowed'
                                  ELSE 'invalid_parameter_value' END,
                   HINT = 'Name the consuming service, e.g. ''notifications''; each consumer deduplicates on its own.';
+    END IF;
+    IF octet_length(outbox_mark_processed.consumer) > 255 THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer name is % bytes long (starts with %), the limit is 255 bytes',
+                octet_length(outbox_mark_processed.consumer), quote_literal(left(outbox_mark_processed.consumer, 40))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Name the consuming service with at most 255 bytes, like aggregate and event types, e.g. ''notifications''.';
     END IF;
     IF outbox_mark_processed.event_id IS NULL THEN
         RAISE EXCEPTION 'outbox_mark_processed: event_id must not be NULL'
@@ -107,8 +76,21 @@ $fn$;
 COMMENT ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) IS
     'Consumer-side dedup: records that consumer processed event_id; true the first time, false on a repeat';
 
--- Deletes processed-message marks older than older_than (for databases other than outbox.database,
--- where the relay does not apply retention itself). Returns how many.
+-- -------------------------------------------------------------------------------------------------
+-- outbox.purge_processed(older_than)
+--
+--     Deletes the dedup marks older than older_than. Where a relay runs, its housekeeping already
+--     deletes them after outbox.retention (outbox._retention); this is for databases no relay
+--     serves (outbox.databases leaves them out), e.g. a consumer's own.
+--
+-- Parameters:
+--     older_than  a non-negative interval
+-- Returns:
+--     how many marks it deleted
+-- Reads:   nothing else
+-- Writes:  delete outbox.processed_messages
+-- Called by: admins (role outbox_admin)
+-- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox.purge_processed(older_than interval)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -131,13 +113,7 @@ $fn$;
 COMMENT ON FUNCTION outbox.purge_processed(interval) IS
     'Deletes consumer dedup marks older than older_than; returns how many';
 
--- Privileges: enqueue is for outbox_writer (and the owner), deduplication for outbox_consumer.
-REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) TO outbox_writer;
-GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) TO outbox_writer;
-GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) TO outbox_writer;
+-- Privileges: deduplication is for outbox_consumer, purging the marks for outbox_admin.
 REVOKE ALL ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) TO outbox_consumer;
 REVOKE ALL ON FUNCTION outbox.purge_processed(interval) FROM PUBLIC;
