@@ -5,10 +5,11 @@
 //! Files (password, certificates, key) are read at every (re)connect, so rotated files take effect
 //! at the next connection. No error text produced here contains a password.
 
-use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
+use outbox_protocol::redis_url;
+use outbox_protocol::secret_files::{self, TlsSettings};
 use redis::cluster::{ClusterClientBuilder, ClusterConnection};
 use redis::{Cmd, ConnectionAddr, ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisResult, Value};
 
@@ -295,147 +296,41 @@ fn invalid_url(what: &str) -> String {
     format!("redis_url {what}")
 }
 
-/// Splits `redis_url` into one URL per node. Accepted: a single URL; the compact seed list
-/// `scheme://[user:password@]host1:port1,host2:port2[/db][?query]`, whose scheme, credentials and
-/// suffix apply to every node; comma-separated full URLs; or a mix. Commas inside credentials are
-/// fine: credentials end at the last `@`.
+/// One URL per node `redis_url` names (the forms it may take: outbox_protocol's `redis_url`).
 pub(crate) fn node_urls(url: &str) -> Result<Vec<String>, String> {
-    let mut out = Vec::new();
-    for piece in split_full_urls(url) {
-        let Some((scheme, rest)) = piece.split_once("://") else {
-            return Err(invalid_url("must start with redis://, rediss:// (TLS) or redis+unix://"));
-        };
-        let (credentials, after) = match rest.rfind('@') {
-            Some(at) => rest.split_at(at + 1),
-            None => ("", rest),
-        };
-        let hosts_end = after.find(['/', '?', '#']).unwrap_or(after.len());
-        let (hosts, suffix) = after.split_at(hosts_end);
-        if scheme.ends_with("+unix") || scheme == "unix" {
-            // A socket path has no host list to split.
-            out.push(piece.to_string());
-            continue;
-        }
-        for host in hosts.split(',') {
-            if host.trim().is_empty() {
-                return Err(invalid_url("has an empty node in its list"));
-            }
-            out.push(format!("{scheme}://{credentials}{}{suffix}", host.trim()));
-        }
-    }
-    if out.is_empty() {
-        return Err("redis_url must not be empty".to_string());
-    }
-    Ok(out)
-}
-
-/// Splits at the commas that start another full URL (`,scheme://`), keeping the rest intact.
-fn split_full_urls(url: &str) -> Vec<&str> {
-    let mut pieces = Vec::new();
-    let mut start = 0;
-    for (comma, _) in url.match_indices(',') {
-        let next = &url[comma + 1..];
-        let scheme_len = next.find("://").unwrap_or(0);
-        let is_scheme = scheme_len > 0
-            && next[..scheme_len].chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-        if is_scheme {
-            pieces.push(url[start..comma].trim());
-            start = comma + 1;
-        }
-    }
-    pieces.push(url[start..].trim());
-    pieces.into_iter().filter(|piece| !piece.is_empty()).collect()
+    redis_url::node_urls(url).map_err(|e| format!("redis_url {e}"))
 }
 
 /// What follows the credentials of a URL, up to any query: safe to show in an error.
 fn describe_location(url: &str) -> String {
-    let rest = url.find("://").map_or(url, |end| &url[end + 3..]);
-    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
-    let location = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
-    format!("{location:?}")
+    format!("{:?}", redis_url::location(url))
 }
 
 /// Reads the certificates named by the `tls_*` settings, or `None` when none is set (then the
 /// system's trust store verifies the server). The server's certificate and name are verified
 /// either way: nothing here can turn that off.
 fn tls_certificates(config: &ConsumerConfig) -> Result<Option<redis::TlsCertificates>, ConsumerError> {
-    let root_cert = match &config.tls_ca_file {
-        Some(path) => {
-            let pem = read_file("tls_ca_file", path)?;
-            // An empty or non-PEM CA file would make every handshake fail with an unhelpful
-            // "unknown issuer"; say what is wrong instead.
-            use rustls::pki_types::pem::PemObject;
-            let count = rustls::pki_types::CertificateDer::pem_slice_iter(&pem).filter(Result::is_ok).count();
-            if count == 0 {
-                return Err(ConsumerError::InvalidConfig(format!(
-                    "tls_ca_file \"{}\" contains no PEM certificate",
-                    path.display()
-                )));
-            }
-            Some(pem)
-        }
-        None => None,
-    };
-    let client_tls = match (&config.tls_cert_file, &config.tls_key_file) {
-        (Some(cert), Some(key)) => {
-            // The key is a secret, kept like the password file: owner-only.
-            check_private("tls_key_file", key)?;
-            Some(redis::ClientTlsConfig {
-                client_cert: read_file("tls_cert_file", cert)?,
-                client_key: read_file("tls_key_file", key)?,
-            })
-        }
-        (None, None) => None,
-        _ => {
-            return Err(ConsumerError::InvalidConfig(
-                "tls_cert_file and tls_key_file must be set together (mutual TLS needs both)".to_string(),
-            ))
-        }
-    };
-    if root_cert.is_none() && client_tls.is_none() {
+    let names = TlsSettings { ca_file: "tls_ca_file", cert_file: "tls_cert_file", key_file: "tls_key_file" };
+    let material = secret_files::read_tls(
+        &names,
+        config.tls_ca_file.as_deref(),
+        config.tls_cert_file.as_deref(),
+        config.tls_key_file.as_deref(),
+    )
+    .map_err(ConsumerError::InvalidConfig)?;
+    if material.ca.is_none() && material.client.is_none() {
         return Ok(None);
     }
-    Ok(Some(redis::TlsCertificates { client_tls, root_cert }))
-}
-
-fn read_file(setting: &str, path: &Path) -> Result<Vec<u8>, ConsumerError> {
-    fs::read(path)
-        .map_err(|e| ConsumerError::InvalidConfig(format!("cannot read {setting} \"{}\": {e}", path.display())))
-}
-
-/// Refuses a secret file that its group or others may access, as libpq does for `.pgpass`: such
-/// a file may already have leaked, and refusing it makes the operator notice.
-#[cfg(unix)]
-fn check_private(setting: &str, path: &Path) -> Result<(), ConsumerError> {
-    use std::os::unix::fs::PermissionsExt;
-    let metadata = fs::metadata(path)
-        .map_err(|e| ConsumerError::InvalidConfig(format!("cannot read {setting} \"{}\": {e}", path.display())))?;
-    if metadata.permissions().mode() & 0o077 != 0 {
-        return Err(ConsumerError::InvalidConfig(format!(
-            "{setting} \"{}\" has group or world access; it must be accessible by its owner only (chmod 600)",
-            path.display()
-        )));
-    }
-    Ok(())
-}
-
-/// Elsewhere there are no Unix permission bits to check.
-#[cfg(not(unix))]
-fn check_private(_setting: &str, _path: &Path) -> Result<(), ConsumerError> {
-    Ok(())
+    Ok(Some(redis::TlsCertificates {
+        root_cert: material.ca,
+        client_tls: material.client.map(|(client_cert, client_key)| redis::ClientTlsConfig { client_cert, client_key }),
+    }))
 }
 
 /// Reads the password from an owner-only file; trailing newlines (an editor's, or `echo`'s) are
 /// not part of it.
 fn read_password_file(path: &Path) -> Result<String, ConsumerError> {
-    check_private("password_file", path)?;
-    let contents = fs::read_to_string(path)
-        .map_err(|e| ConsumerError::InvalidConfig(format!("cannot read password_file \"{}\": {e}", path.display())))?;
-    let password = contents.trim_end_matches(['\r', '\n']);
-    if password.is_empty() {
-        return Err(ConsumerError::InvalidConfig(format!("password_file \"{}\" is empty", path.display())));
-    }
-    Ok(password.to_string())
+    secret_files::read_password("password_file", path).map_err(ConsumerError::InvalidConfig)
 }
 
 #[cfg(test)]
@@ -483,7 +378,7 @@ mod tests {
             ("rediss://u:secret@a:1,redis://u:secret@b:2", RedisMode::Cluster, "mixes"),
             ("redis://u:secret@a:1/3", RedisMode::Cluster, "database"),
             ("redis+unix:///tmp/r.sock", RedisMode::Cluster, "Unix socket"),
-            ("http://u:secret@a:1", RedisMode::Standalone, "not a valid Redis URL"),
+            ("http://u:secret@a:1", RedisMode::Standalone, "must start with redis://"),
             ("redis://u@a:1", RedisMode::Standalone, "no password"),
         ];
         for (url, mode, needle) in cases {

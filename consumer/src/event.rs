@@ -1,4 +1,5 @@
-//! The typed form of one stream entry written by outbox_pg, and how it is parsed.
+//! The typed form of one stream entry written by outbox_pg, in either entry format (native or
+//! CloudEvents, told apart by `specversion`), and how it is parsed.
 //!
 //! Parsing is pure (no Redis), so every rule is unit-tested here. A field that is missing or
 //! invalid yields an [`EventParseError`] naming the field; the consumer dead-letters such entries
@@ -32,6 +33,18 @@ pub struct Event {
     pub headers: Option<Value>,
     /// When the event was enqueued, RFC 3339 in UTC, as written by outbox_pg.
     pub created_at: String,
+    /// The W3C `traceparent` of the transaction that enqueued the event, when it ran in a trace:
+    /// continue the trace from it (as the parent of the handler's span, or a link to it). An entry
+    /// whose `traceparent` is not valid W3C has none, as the specification says to treat it.
+    pub traceparent: Option<String>,
+    /// The W3C `tracestate` that goes with `traceparent`, when there is one.
+    pub tracestate: Option<String>,
+    /// For an entry `outbox.replay` sent again: the replay's id. The event's other fields,
+    /// `event_id` and `aggregate_seq` included, are those of its first publication.
+    pub replay: Option<i64>,
+    /// For a CloudEvents entry (`outbox.entry_format = cloudevents`): its `source` attribute;
+    /// `None` for a native entry.
+    pub source: Option<String>,
     /// The stream key the entry was read from.
     pub stream: String,
     /// The stream entry ID, e.g. `1764446400123-0`.
@@ -79,88 +92,135 @@ impl fmt::Display for EventParseError {
 
 impl std::error::Error for EventParseError {}
 
-/// The fields an outbox_pg entry carries. Unknown fields are ignored so that producers can add
-/// fields without breaking older consumers.
-const KNOWN_FIELDS: [&str; 9] = [
-    "event_id",
-    "outbox_id",
-    "aggregate_type",
-    "aggregate_id",
-    "aggregate_seq",
-    "event_type",
-    "payload",
-    "headers",
-    "created_at",
-];
+/// The fields an outbox_pg entry carries in each format, as the relay writes them (defined once,
+/// in outbox-protocol). Unknown fields are ignored so that producers can add fields without
+/// breaking older consumers.
+use outbox_protocol::entry::{self as fields, cloudevents as ce, Format, CLOUDEVENTS};
+use outbox_protocol::trace;
+
+/// The most fields of any format.
+const MOST_FIELDS: usize = CLOUDEVENTS.len();
 
 impl Event {
     /// Parses an entry's field/value pairs (as read from the stream, in any order) into an event.
+    /// A CloudEvents entry (one with `specversion`) is read through its attributes; an error then
+    /// names the attribute (`aggregateseq`, not `aggregate_seq`).
     ///
     /// `stream` and `entry_id` say where the entry came from and are copied into the event.
     /// A field that appears twice is rejected, since it is ambiguous which value is meant.
-    pub fn from_fields<'a, I>(stream: &str, entry_id: &str, fields: I) -> Result<Event, EventParseError>
+    pub fn from_fields<'a, I>(stream: &str, entry_id: &str, entry_fields: I) -> Result<Event, EventParseError>
     where
         I: IntoIterator<Item = (&'a [u8], &'a [u8])>,
     {
-        let mut values: [Option<&'a [u8]>; KNOWN_FIELDS.len()] = [None; KNOWN_FIELDS.len()];
-        for (name, value) in fields {
+        let pairs: Vec<(&'a [u8], &'a [u8])> = entry_fields.into_iter().collect();
+        let format = Format::of(pairs.iter().map(|(name, _)| *name));
+        let mut values: [Option<&'a [u8]>; MOST_FIELDS] = [None; MOST_FIELDS];
+        for (name, value) in pairs {
             // Non-UTF-8 names cannot be one of ours; they fall through as unknown fields.
-            let Some(index) = KNOWN_FIELDS.iter().position(|known| known.as_bytes() == name) else {
+            let Some(index) = format.position(name) else {
                 continue;
             };
             if values[index].is_some() {
-                return Err(EventParseError::invalid(KNOWN_FIELDS[index], "appears more than once"));
+                return Err(EventParseError::invalid(format.fields()[index].name, "appears more than once"));
             }
             values[index] = Some(value);
         }
-        let get = |index: usize| -> Result<Option<&'a str>, EventParseError> {
+        let text = |index: usize| -> Result<Option<&'a str>, EventParseError> {
+            let name = format.fields()[index].name;
             match values[index] {
                 None => Ok(None),
-                Some(bytes) => std::str::from_utf8(bytes)
-                    .map(Some)
-                    .map_err(|_| EventParseError::invalid(KNOWN_FIELDS[index], "not valid UTF-8")),
+                Some(bytes) => {
+                    std::str::from_utf8(bytes).map(Some).map_err(|_| EventParseError::invalid(name, "not valid UTF-8"))
+                }
             }
         };
-        let require = |index: usize| -> Result<&'a str, EventParseError> {
-            get(index)?.ok_or(EventParseError::MissingField { field: KNOWN_FIELDS[index] })
+        // The field carrying the native field `native`: its name in this format and its value.
+        let get = |native: &'static str| -> Result<(&'static str, Option<&'a str>), EventParseError> {
+            let (index, field) = format.carrying(native).ok_or(EventParseError::MissingField { field: native })?;
+            Ok((field.name, text(index)?))
+        };
+        let require = |native: &'static str| -> Result<(&'static str, &'a str), EventParseError> {
+            let (name, value) = get(native)?;
+            Ok((name, value.ok_or(EventParseError::MissingField { field: name })?))
+        };
+        // A field of the format's own (CloudEvents' specversion, source, datacontenttype).
+        let own = |name: &'static str| -> Result<&'a str, EventParseError> {
+            let index = format.position(name.as_bytes()).ok_or(EventParseError::MissingField { field: name })?;
+            text(index)?.ok_or(EventParseError::MissingField { field: name })
         };
 
-        let event_id = require(0)?;
+        let source = match format {
+            Format::Native => None,
+            Format::CloudEvents => {
+                let specversion = own(ce::SPECVERSION)?;
+                if specversion != ce::SPECVERSION_VALUE {
+                    return Err(EventParseError::invalid(
+                        ce::SPECVERSION,
+                        format!("only CloudEvents {} is read, got {}", ce::SPECVERSION_VALUE, quote(specversion)),
+                    ));
+                }
+                let content_type = own(ce::DATACONTENTTYPE)?;
+                if content_type != ce::DATACONTENTTYPE_VALUE {
+                    return Err(EventParseError::invalid(
+                        ce::DATACONTENTTYPE,
+                        format!("must be {}, got {}", ce::DATACONTENTTYPE_VALUE, quote(content_type)),
+                    ));
+                }
+                Some(non_empty(ce::SOURCE, own(ce::SOURCE)?)?.to_owned())
+            }
+        };
+        let (name, event_id) = require(fields::EVENT_ID)?;
         if !is_uuid(event_id) {
-            return Err(EventParseError::invalid("event_id", format!("not a UUID: {}", quote(event_id))));
+            return Err(EventParseError::invalid(name, format!("not a UUID: {}", quote(event_id))));
         }
-        let outbox_id = parse_int("outbox_id", require(1)?)?;
-        let aggregate_type = non_empty("aggregate_type", require(2)?)?;
-        let aggregate_id = non_empty("aggregate_id", require(3)?)?;
-        let aggregate_seq = parse_int("aggregate_seq", require(4)?)?;
+        let (name, outbox_id) = require(fields::OUTBOX_ID)?;
+        let outbox_id = parse_int(name, outbox_id)?;
+        let (name, aggregate_type) = require(fields::AGGREGATE_TYPE)?;
+        let aggregate_type = non_empty(name, aggregate_type)?;
+        let (name, aggregate_id) = require(fields::AGGREGATE_ID)?;
+        let aggregate_id = non_empty(name, aggregate_id)?;
+        let (name, aggregate_seq) = require(fields::AGGREGATE_SEQ)?;
+        let aggregate_seq = parse_int(name, aggregate_seq)?;
         if aggregate_seq < 1 {
-            return Err(EventParseError::invalid("aggregate_seq", format!("must be 1 or more, got {aggregate_seq}")));
+            return Err(EventParseError::invalid(name, format!("must be 1 or more, got {aggregate_seq}")));
         }
-        let event_type = non_empty("event_type", require(5)?)?;
-        let payload = serde_json::from_str::<Value>(require(6)?)
-            .map_err(|e| EventParseError::invalid("payload", format!("not JSON: {e}")))?;
-        let headers = match get(7)? {
-            None => None,
-            Some(text) => match serde_json::from_str::<Value>(text) {
+        let (name, event_type) = require(fields::EVENT_TYPE)?;
+        let event_type = non_empty(name, event_type)?;
+        let (name, payload) = require(fields::PAYLOAD)?;
+        let payload = serde_json::from_str::<Value>(payload)
+            .map_err(|e| EventParseError::invalid(name, format!("not JSON: {e}")))?;
+        let headers = match get(fields::HEADERS)? {
+            (_, None) => None,
+            (name, Some(text)) => match serde_json::from_str::<Value>(text) {
                 Ok(value @ Value::Object(_)) => Some(value),
                 Ok(other) => {
                     return Err(EventParseError::invalid(
-                        "headers",
+                        name,
                         format!("must be a JSON object, got {}", json_kind(&other)),
                     ))
                 }
-                Err(e) => return Err(EventParseError::invalid("headers", format!("not JSON: {e}"))),
+                Err(e) => return Err(EventParseError::invalid(name, format!("not JSON: {e}"))),
             },
         };
-        let created_at = require(8)?;
+        let (name, created_at) = require(fields::CREATED_AT)?;
         if !is_rfc3339(created_at) {
-            return Err(EventParseError::invalid(
-                "created_at",
-                format!("not an RFC 3339 timestamp: {}", quote(created_at)),
-            ));
+            return Err(EventParseError::invalid(name, format!("not an RFC 3339 timestamp: {}", quote(created_at))));
         }
+        // W3C: a traceparent that does not parse is ignored, with its tracestate; the event is
+        // no less valid for it.
+        let traceparent = get(fields::TRACEPARENT)?.1.filter(|value| trace::check_traceparent(value).is_ok());
+        let tracestate = get(fields::TRACESTATE)?
+            .1
+            .filter(|value| traceparent.is_some() && !value.is_empty() && trace::check_tracestate(value).is_ok());
+
+        let (name, replay) = get(fields::REPLAY)?;
+        let replay = replay.map(|text| parse_int(name, text)).transpose()?;
 
         Ok(Event {
+            traceparent: traceparent.map(str::to_owned),
+            tracestate: tracestate.map(str::to_owned),
+            source,
+            replay,
             event_id: event_id.to_owned(),
             outbox_id,
             aggregate_type: aggregate_type.to_owned(),
@@ -175,8 +235,9 @@ impl Event {
         })
     }
 
-    /// The event as a JSON object with one member per field (`headers` is `null` when absent);
-    /// this is the line format of the `outbox-consume` CLI.
+    /// The event as a JSON object with one member per field (`headers`, `traceparent`,
+    /// `tracestate`, `replay` and `source` are `null` when absent); this is the line format of the
+    /// `outbox-consume` CLI.
     pub fn to_json(&self) -> Value {
         serde_json::json!({
             "event_id": self.event_id,
@@ -188,6 +249,10 @@ impl Event {
             "payload": self.payload,
             "headers": self.headers,
             "created_at": self.created_at,
+            "traceparent": self.traceparent,
+            "tracestate": self.tracestate,
+            "replay": self.replay,
+            "source": self.source,
             "stream": self.stream,
             "entry_id": self.entry_id,
         })
@@ -298,6 +363,9 @@ fn is_rfc3339(text: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use outbox_protocol::entry::NATIVE;
+
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
     const EVENT_ID: &str = "0192e4a0-7b1c-7def-8abc-0123456789ab";
 
@@ -319,12 +387,7 @@ mod tests {
     }
 
     fn with(field: &'static str, value: &str) -> Vec<(&'static str, String)> {
-        let mut fields = good_fields();
-        match fields.iter_mut().find(|(k, _)| *k == field) {
-            Some(slot) => slot.1 = value.to_string(),
-            None => fields.push((field, value.to_string())),
-        }
-        fields
+        with_in(good_fields(), field, value)
     }
 
     fn without(field: &str) -> Vec<(&'static str, String)> {
@@ -371,7 +434,7 @@ mod tests {
 
     #[test]
     fn each_missing_required_field_is_named() {
-        for field in KNOWN_FIELDS.iter().filter(|f| **f != "headers") {
+        for field in NATIVE.iter().filter(|f| f.required).map(|f| f.name) {
             assert_eq!(parse(&without(field)), Err(EventParseError::MissingField { field }), "without {field}");
         }
     }
@@ -472,6 +535,95 @@ mod tests {
         assert_eq!(json["headers"]["k"], "v");
         assert_eq!(json["stream"], "outbox:order");
         assert_eq!(json["entry_id"], "1-0");
-        assert_eq!(json.as_object().map(|o| o.len()), Some(11));
+        assert_eq!(json["replay"], serde_json::Value::Null);
+        assert_eq!(json["traceparent"], serde_json::Value::Null);
+        assert_eq!(json["source"], serde_json::Value::Null);
+        assert_eq!(json.as_object().map(|o| o.len()), Some(15));
+        let replayed = parse(&with("replay", "7")).expect("valid entry");
+        assert_eq!(replayed.replay, Some(7));
+        assert_eq!(invalid_field(&with("replay", "x")), "replay");
+    }
+
+    /// The fields the relay writes in `cloudevents` format for the event of `good_fields`.
+    fn cloudevent_fields() -> Vec<(&'static str, String)> {
+        vec![
+            ("specversion", "1.0".to_string()),
+            ("id", EVENT_ID.to_string()),
+            ("source", "/outbox/app/order".to_string()),
+            ("type", "order.created".to_string()),
+            ("subject", "o-1".to_string()),
+            ("time", "2026-11-29T20:00:00.123456Z".to_string()),
+            ("datacontenttype", "application/json".to_string()),
+            ("data", r#"{"total":12.5,"items":[1,2]}"#.to_string()),
+            ("aggregatetype", "order".to_string()),
+            ("aggregateseq", "3".to_string()),
+            ("outboxid", "42".to_string()),
+        ]
+    }
+
+    /// `fields` with `field` set to `value` (added when missing).
+    fn with_in(
+        mut fields: Vec<(&'static str, String)>,
+        field: &'static str,
+        value: &str,
+    ) -> Vec<(&'static str, String)> {
+        match fields.iter_mut().find(|(k, _)| *k == field) {
+            Some(slot) => slot.1 = value.to_string(),
+            None => fields.push((field, value.to_string())),
+        }
+        fields
+    }
+
+    #[test]
+    fn a_cloudevent_reads_as_the_same_event() {
+        let native = parse(&good_fields()).expect("native entry");
+        let cloudevent = parse(&cloudevent_fields()).expect("CloudEvents entry");
+        assert_eq!(cloudevent.source.as_deref(), Some("/outbox/app/order"));
+        assert_eq!(Event { source: None, ..cloudevent }, native);
+    }
+
+    #[test]
+    fn each_missing_cloudevents_attribute_is_named() {
+        for field in CLOUDEVENTS.iter().filter(|f| f.required).map(|f| f.name).filter(|name| *name != "specversion") {
+            let fields: Vec<_> = cloudevent_fields().into_iter().filter(|(k, _)| *k != field).collect();
+            assert_eq!(parse(&fields), Err(EventParseError::MissingField { field }), "without {field}");
+        }
+        // Without specversion it is no CloudEvent, and misses the native fields.
+        let fields: Vec<_> = cloudevent_fields().into_iter().filter(|(k, _)| *k != "specversion").collect();
+        assert_eq!(parse(&fields), Err(EventParseError::MissingField { field: "event_id" }));
+    }
+
+    #[test]
+    fn invalid_cloudevents_attributes_are_named() {
+        let ce = |field: &'static str, value: &str| invalid_field(&with_in(cloudevent_fields(), field, value));
+        assert_eq!(ce("specversion", "0.3"), "specversion");
+        assert_eq!(ce("datacontenttype", "text/plain"), "datacontenttype");
+        assert_eq!(ce("source", ""), "source");
+        assert_eq!(ce("id", "nope"), "id");
+        assert_eq!(ce("aggregateseq", "0"), "aggregateseq");
+        assert_eq!(ce("outboxid", "x"), "outboxid");
+        assert_eq!(ce("data", "{"), "data");
+        assert_eq!(ce("time", "yesterday"), "time");
+        assert_eq!(ce("headers", "[]"), "headers");
+        assert_eq!(ce("replay", "x"), "replay");
+        let mut twice = cloudevent_fields();
+        twice.push(("subject", "again".into()));
+        assert_eq!(invalid_field(&twice), "subject");
+    }
+
+    #[test]
+    fn the_trace_context_is_read_in_both_formats() {
+        for fields in [good_fields(), cloudevent_fields()] {
+            let fields = with_in(with_in(fields, "traceparent", TRACEPARENT), "tracestate", "rojo=1");
+            let event = parse(&fields).expect("valid entry");
+            assert_eq!(event.traceparent.as_deref(), Some(TRACEPARENT));
+            assert_eq!(event.tracestate.as_deref(), Some("rojo=1"));
+            assert_eq!(event.to_json()["traceparent"], TRACEPARENT);
+        }
+        // A traceparent that is not W3C is ignored, with its tracestate: the event stays valid.
+        let event = parse(&with_in(with_in(good_fields(), "traceparent", "00-xyz"), "tracestate", "rojo=1")).unwrap();
+        assert_eq!((event.traceparent, event.tracestate), (None, None));
+        let event = parse(&with_in(with_in(good_fields(), "traceparent", TRACEPARENT), "tracestate", "Bad")).unwrap();
+        assert_eq!((event.traceparent.as_deref(), event.tracestate), (Some(TRACEPARENT), None));
     }
 }

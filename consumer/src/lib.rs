@@ -12,6 +12,7 @@
 //!   reclaimed with XAUTOCLAIM after an idle timeout and retried;
 //! * entries that keep failing, and malformed ones, go to a dead-letter stream instead of being
 //!   retried forever;
+//! * [`AggregateSeqs`] checks each aggregate's `aggregate_seq` for gaps, reorderings and repeats;
 //! * one server or a Redis Cluster ([`RedisMode`]), over TLS (`rediss://`, mutual TLS) and as an
 //!   ACL user whose password may come from a file (see [`ConsumerConfig`] and the README's
 //!   "Topologies").
@@ -45,6 +46,7 @@ mod consumer;
 mod error;
 mod event;
 mod reply;
+mod sequence;
 
 pub use config::{
     default_consumer_name, ConsumerConfig, RedisMode, DEFAULT_BATCH_SIZE, DEFAULT_BLOCK_TIMEOUT,
@@ -54,6 +56,7 @@ pub use config::{
 pub use consumer::{Consumer, Stats};
 pub use error::ConsumerError;
 pub use event::{Event, EventParseError};
+pub use sequence::{AggregateSeqs, SeqOrder};
 
 /// Compiles the README's Rust example as a doctest, so the documented API cannot drift.
 #[cfg(doctest)]

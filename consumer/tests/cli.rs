@@ -4,12 +4,10 @@
 mod common;
 
 use std::process::{Child, Command, Output, Stdio};
-use std::thread;
-use std::time::{Duration, Instant};
 
 use common::{
-    event_fields, event_id, least_privileges, pending_count, set_user_command, wait_until, write_secret, xadd,
-    RedisCluster, RedisServer, TempDir, TlsFiles, DEADLINE,
+    event_fields, event_id, least_privileges, output_within, pending_count, set_user_command, wait_until, write_secret,
+    xadd, RedisCluster, RedisServer, TempDir, TlsFiles, DEADLINE,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-consume");
@@ -27,21 +25,8 @@ fn spawn(args: &[&str]) -> Child {
 }
 
 /// Waits for the child to exit (failing the test after the deadline) and collects its output.
-/// Outputs in these tests are a few lines, far below a pipe buffer, so waiting before reading
-/// cannot deadlock.
-fn finish(mut child: Child) -> Output {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        match child.try_wait().expect("try_wait") {
-            Some(_) => return child.wait_with_output().expect("collect output"),
-            None if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let output = child.wait_with_output().expect("collect output");
-                panic!("outbox-consume did not exit in time; stderr: {}", String::from_utf8_lossy(&output.stderr));
-            }
-            None => thread::sleep(Duration::from_millis(10)),
-        }
-    }
+fn finish(child: Child) -> Output {
+    output_within(child, DEADLINE, "outbox-consume")
 }
 
 fn run(args: &[&str]) -> Output {
@@ -119,6 +104,35 @@ fn idle_exit_reports_dead_letters_in_the_summary() {
     assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
     assert_eq!(text(&output.stdout).lines().count(), 1);
     assert!(stderr.contains("processed 1, duplicates skipped 0, dead-lettered 1, malformed 1"), "stderr: {stderr}");
+}
+
+#[test]
+fn gaps_and_reorderings_of_an_aggregate_are_warned_of() {
+    let server = RedisServer::start();
+    let mut conn = server.conn();
+    for seq in [1, 3, 2] {
+        xadd(&mut conn, STREAM, &event_fields(&event_id(seq as u64), seq));
+    }
+    // A replay of event 1 under another event id (past the dedup): its number repeats, no warning.
+    let mut replayed = event_fields(&event_id(9), 1);
+    replayed.push(("replay".into(), "7".into()));
+    xadd(&mut conn, STREAM, &replayed);
+
+    let url = server.url();
+    let output = run(&["--redis", &url, "--stream", STREAM, "--group", GROUP, "--block-ms", "50", "--max-events", "4"]);
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "status {:?}, stderr: {stderr}", output.status);
+    assert_eq!(text(&output.stdout).lines().count(), 4);
+    let warnings: Vec<&str> = stderr.lines().filter(|line| line.contains("warning:")).collect();
+    assert_eq!(
+        warnings,
+        [
+            format!("outbox-consume: warning: order/o-1 #3 (event {}): gap: aggregate_seq 2 not seen", event_id(3)),
+            format!("outbox-consume: warning: order/o-1 #2 (event {}): reordered: after aggregate_seq 3", event_id(2)),
+        ],
+        "stderr: {stderr}"
+    );
+    assert!(stderr.contains("processed 4, duplicates skipped 0") && stderr.contains("order warnings 2"), "{stderr}");
 }
 
 #[test]

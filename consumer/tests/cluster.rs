@@ -118,7 +118,7 @@ fn cluster_consumer_dedups_acks_dead_letters_and_reclaims_as_a_restricted_user()
     // Dedup keys are hash-tagged with the stream: same slot, "done".
     let key = config.dedup_key(&event_id(1));
     assert_eq!(key, format!("outbox:dedup:{GROUP}:{{{stream}}}:{}", event_id(1)));
-    assert_eq!(cluster.slot(&key), cluster.slot(&stream));
+    assert_eq!(cluster.key_slot(&key), cluster.key_slot(&stream));
     let state: String = redis::cmd("GET").arg(&key).query(&mut admin).expect("GET");
     assert_eq!(state, "done");
 

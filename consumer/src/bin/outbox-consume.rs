@@ -12,14 +12,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_consumer::{Consumer, ConsumerConfig, ConsumerError, Event, RedisMode, Stats};
+use outbox_consumer::{AggregateSeqs, Consumer, ConsumerConfig, ConsumerError, Event, RedisMode, Stats};
 
 const USAGE: &str = "\
 usage: outbox-consume --redis URL --stream STREAM --group GROUP [options]
 
 Reads outbox_pg events from STREAM as a member of consumer group GROUP and prints each new event
 as one JSON object per line on stdout. Duplicates (same event_id) are acknowledged and skipped.
-A summary is printed on stderr at exit. Ctrl-C or SIGTERM stops after the current event.
+A gap, a reordering or a repeat of an aggregate's aggregate_seq among the printed events is
+reported on stderr (not for replayed entries). A summary is printed on stderr at exit. Ctrl-C or SIGTERM stops after the current event.
 
 URL: redis://[user:password@]host:port[/db] (rediss:// for TLS). With --redis-mode cluster, seed
 nodes: redis://[user:password@]host1:port1,host2:port2,... or comma-separated full URLs.
@@ -93,6 +94,10 @@ fn main() -> ExitCode {
     };
 
     let mut printed: u64 = 0;
+    // It may join a stream anywhere (a group at `$`, a restart): each aggregate's first event
+    // seen is where its check starts.
+    let mut seqs = AggregateSeqs::joining();
+    let mut order_warnings: u64 = 0;
     let mut output_error: Option<std::io::Error> = None;
     let stdout = std::io::stdout();
     let handler = |event: &Event| -> Result<(), String> {
@@ -107,6 +112,15 @@ fn main() -> ExitCode {
             return Err(message);
         }
         printed += 1;
+        let order = seqs.observe(&event.aggregate_type, &event.aggregate_id, event.aggregate_seq);
+        // A replay carries its event's original number: out of order by design.
+        if order.is_anomaly() && event.replay.is_none() {
+            order_warnings += 1;
+            eprintln!(
+                "outbox-consume: warning: {}/{} #{} (event {}): {order}",
+                event.aggregate_type, event.aggregate_id, event.aggregate_seq, event.event_id
+            );
+        }
         if args.max_events.is_some_and(|max| printed >= max) {
             // The loop finishes (acknowledges) this event, then returns.
             stop.store(true, Ordering::SeqCst);
@@ -118,7 +132,7 @@ fn main() -> ExitCode {
         None => consumer.run(handler, &stop),
     };
 
-    eprintln!("{}", summary(&consumer.stats()));
+    eprintln!("{}", summary(&consumer.stats(), order_warnings));
     if let Some(e) = output_error {
         eprintln!("outbox-consume: cannot write to stdout: {e}");
         return ExitCode::from(1);
@@ -132,9 +146,10 @@ fn main() -> ExitCode {
     }
 }
 
-fn summary(stats: &Stats) -> String {
+fn summary(stats: &Stats, order_warnings: u64) -> String {
     format!(
-        "processed {}, duplicates skipped {}, dead-lettered {}, malformed {}, handler errors {}, reclaimed {}",
+        "processed {}, duplicates skipped {}, dead-lettered {}, malformed {}, handler errors {}, reclaimed {}, \
+         order warnings {order_warnings}",
         stats.processed, stats.duplicates, stats.dead_lettered, stats.malformed, stats.handler_errors, stats.reclaimed
     )
 }
