@@ -83,11 +83,25 @@ fn every_database_with_the_extension_gets_its_own_relays_settings_and_stats() {
     redis.wait_for_entries("outbox:note", 1);
     wait_relays_in(&mut admin, "plain", 2);
 
-    // A changed database setting applies after a reload: the relays start again with it.
+    // A changed database setting applies after a reload: the relays start again with it. Until
+    // each has, an event may still go to the old stream, so the test waits for every relay that
+    // connected before the change to be gone (one may be in the middle of a round at the reload).
     admin.batch_execute("ALTER DATABASE plain SET outbox.stream = 'plain:{aggregate_type}'").unwrap();
+    let altered_at: std::time::SystemTime = admin.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
     admin.batch_execute("SELECT pg_reload_conf()").unwrap();
     wait_for(DEADLINE, "plain's relays to restart with the new setting", || {
         pg.log().contains("the settings of database \"plain\" changed").then_some(())
+    });
+    wait_for(DEADLINE, "every relay of plain to have started after the change", || {
+        let (before, after): (i64, i64) = admin
+            .query_one(
+                "SELECT count(*) FILTER (WHERE backend_start <= $1), count(*) FILTER (WHERE backend_start > $1)
+                   FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay' AND datname = 'plain'",
+                &[&altered_at],
+            )
+            .map(|row| (row.get(0), row.get(1)))
+            .unwrap();
+        (before == 0 && after == 2).then_some(())
     });
     drop(plain);
     let mut plain = pg.connect_to("plain");
@@ -153,4 +167,189 @@ fn too_few_worker_slots_are_logged_once_and_shown_in_the_stats_while_the_running
     // The WARNING is logged once per shortage, not at every retry.
     let log = pg.log();
     assert_eq!(log.matches("could not start relay 1 of database").count(), 1, "{log}");
+}
+
+/// Bytes of shared memory the database entries take, as pg_shmem_allocations shows them: what
+/// was asked for, and what was allocated (with alignment).
+fn entries_shared_memory(admin: &mut postgres::Client) -> (i64, i64) {
+    let row = admin
+        .query_one(
+            "SELECT sum(size)::bigint, sum(allocated_size)::bigint FROM pg_shmem_allocations
+              WHERE name IN ('outbox_pg_databases', 'outbox_pg_last_errors', 'outbox_pg_in_flight')",
+            &[],
+        )
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Issue 23, item 5: with more databases holding outbox_pg than the shared-memory entries, the one
+/// left out accepted events that no relay would ever deliver, said nothing in its own stats, and
+/// which one was left out followed hash-map order. Now the oldest databases (lowest OID) are
+/// relayed, the same ones after a restart; the one left out refuses enqueues (55000) and its stats
+/// and the server log name it. Issue 28: the number of entries is `outbox.max_databases`, sized at
+/// server start; raised, the database left out is relayed.
+#[test]
+fn a_database_left_out_for_lack_of_entries_refuses_events_and_says_so() {
+    let redis = Redis::start();
+    let pg = Cluster::start(redis.port, &["outbox.max_databases = 3", "outbox.poll_interval = '200ms'"]);
+    let mut admin = pg.connect();
+    let names: Vec<String> = (1..=4).map(|n| format!("db{n:02}")).collect();
+    for name in &names {
+        admin.batch_execute(&format!("CREATE DATABASE {name}")).unwrap();
+        pg.connect_to(name).batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    }
+    let left_out = "db04";
+    let (three_entries, allocated) = entries_shared_memory(&mut admin);
+    eprintln!("outbox.max_databases = 3: {three_entries} bytes asked for, {allocated} allocated");
+    for round in 0..2 {
+        // Right after the start (round 1) or the CREATE EXTENSIONs, before the launcher has
+        // decided: the database left out refuses at once, never accepting events for a while
+        // (review of issue 28, 9; enqueue waits for the launcher's decision instead).
+        let refused =
+            pg.connect_to(left_out).batch_execute("SELECT outbox_enqueue('early', 1, 'e', '{}')").unwrap_err();
+        let refused = refused.as_db_error().unwrap();
+        assert_eq!(refused.code().code(), "55000", "round {round}: {refused:?}");
+        assert!(refused.message().contains(&format!("\"{left_out}\" has no relay")), "{}", refused.message());
+        enqueue(&mut pg.connect_to(&names[2]), &format!("early{round}"), 1);
+        for name in &names[..3] {
+            wait_relays_in(&mut admin, name, 1);
+        }
+        let warning = format!("database \"{left_out}\" gets no relay");
+        wait_for(DEADLINE, "the WARNING naming the database left out", || pg.log().contains(&warning).then_some(()));
+        assert!(pg.log().contains("outbox_pg already relays 3 databases, outbox.max_databases"), "{}", pg.log());
+        let mut db = pg.connect_to(left_out);
+        let refused = db.batch_execute("SELECT outbox_enqueue('x', 1, 'e', '{}')").unwrap_err();
+        let refused = refused.as_db_error().unwrap();
+        assert_eq!(refused.code().code(), "55000", "{refused:?}");
+        assert!(refused.message().contains(&format!("\"{left_out}\" has no relay")), "{}", refused.message());
+        assert!(refused.hint().unwrap_or_default().contains("outbox.max_databases"), "{refused:?}");
+        let (pid, error): (Option<i32>, Option<String>) = {
+            let row = db.query_one("SELECT worker_pid, last_error FROM outbox.stats", &[]).unwrap();
+            (row.get(0), row.get(1))
+        };
+        assert_eq!(pid, None);
+        assert!(error.unwrap_or_default().contains(left_out));
+        assert_eq!(relays_in(&mut admin, left_out), 0);
+        // The others deliver.
+        let mut first = pg.connect_to(&names[0]);
+        enqueue(&mut first, &format!("round{round}"), 1);
+        redis.wait_for_entries(&format!("outbox:round{round}"), 1);
+        redis.wait_for_entries(&format!("outbox:early{round}"), 1);
+        let early: i64 = db.query_one("SELECT count(*) FROM outbox.messages", &[]).unwrap().get(0);
+        assert_eq!(early, 0, "nothing was stranded in the database left out");
+        // The same database is left out after a restart; then one more entry serves it.
+        if round == 1 {
+            admin.batch_execute("ALTER SYSTEM SET outbox.max_databases = 4").unwrap();
+        }
+        drop((db, first, admin));
+        pg.pg_ctl_stop("fast");
+        std::fs::write(pg.log_path(), "").unwrap();
+        pg.pg_ctl_start();
+        admin = pg.connect();
+    }
+    // Raised: served from the start, its first enqueue accepted without waiting for anything here.
+    enqueue(&mut pg.connect_to(left_out), "served", 1);
+    assert!(pg.log().contains("relaying at most 4 databases (outbox.max_databases"), "{}", pg.log());
+    wait_relays_in(&mut admin, left_out, 1);
+    redis.wait_for_entries("outbox:served", 1);
+    // Shared memory grew by one entry's worth.
+    let (four_entries, allocated) = entries_shared_memory(&mut admin);
+    eprintln!("outbox.max_databases = 4: {four_entries} bytes asked for, {allocated} allocated");
+    assert_eq!(four_entries * 3, three_entries * 4);
+}
+
+/// Issue 23, item 7: relays stayed connected to their database, so `CREATE DATABASE ... TEMPLATE`
+/// and `ALTER DATABASE ... RENAME` failed after five seconds ("being accessed by other users"),
+/// paused relays too; and a copy started relays of its own that published the original's pending
+/// events again and numbered new events like the original's. Now the relays step aside for both,
+/// and a copy's relays publish nothing until an admin adopts it.
+#[test]
+fn a_relayed_database_can_be_copied_and_renamed_and_the_copy_waits_to_be_adopted() {
+    let redis = Redis::start();
+    let pg = Cluster::start(redis.port, &["outbox.poll_interval = '200ms'"]);
+    let mut admin = pg.connect();
+    admin.batch_execute("CREATE DATABASE app").unwrap();
+    let mut app = pg.connect_to("app");
+    app.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    wait_relays_in(&mut admin, "app", 1);
+    enqueue(&mut app, "order", 1);
+    redis.wait_for_entries("outbox:order", 1);
+    // Paused, with an undelivered event: the copy gets it too.
+    pg.set(&mut admin, &[("outbox.enabled", "off")]);
+    wait_for(DEADLINE, "the relay to pause", || pg.log().contains("outbox.enabled is off").then_some(()));
+    enqueue(&mut app, "order", 1);
+    drop(app);
+    admin.batch_execute("CREATE DATABASE copy TEMPLATE app").unwrap();
+    admin.batch_execute("ALTER DATABASE app RENAME TO shop").unwrap();
+    admin.batch_execute("ALTER DATABASE shop RENAME TO app").unwrap();
+    pg.set(&mut admin, &[("outbox.enabled", "on")]);
+
+    // The original publishes its event once; the copy publishes nothing and says why.
+    let entries = redis.wait_for_entries("outbox:order", 2);
+    let mut copy = pg.connect_to("copy");
+    wait_for(DEADLINE, "the copy's relay to say it is a copy", || {
+        let error: Option<String> = copy.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+        error.filter(|e| e.contains("holds a copy of the outbox of database oid")).map(|_| ())
+    });
+    assert!(pg.log().contains("then run SELECT outbox.adopt_copy() in it"), "{}", pg.log());
+    enqueue(&mut copy, "order", 1);
+    let mut app = pg.connect_to("app");
+    enqueue(&mut app, "order", 1);
+    let entries_now = redis.wait_for_entries("outbox:order", 3);
+    assert_eq!(entries_now.len(), 3, "only the original's events: {entries_now:?}");
+    assert_eq!(entries_now[..2], entries[..]);
+    assert_eq!(
+        entries_now.iter().map(|e| e["aggregate_seq"].as_str()).collect::<Vec<_>>(),
+        ["1", "2", "3"],
+        "the original's numbering, undisturbed"
+    );
+    let pending: i64 = copy.query_one("SELECT pending FROM outbox.stats", &[]).unwrap().get(0);
+    assert_eq!(pending, 2, "the copied event and the copy's own wait");
+
+    // Adopted, with streams of its own: its own event goes out, the copied one stays the original's.
+    admin.batch_execute("ALTER DATABASE copy SET outbox.stream = 'copy:{aggregate_type}'").unwrap();
+    let refused = app.batch_execute("SELECT outbox.adopt_copy()").unwrap_err();
+    assert_eq!(refused.as_db_error().unwrap().code().code(), "55000", "the original is not a copy");
+    let said: String = copy.query_one("SELECT outbox.adopt_copy()", &[]).unwrap().get(0);
+    assert!(said.contains("left to it"), "{said}");
+    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
+    let copied = redis.wait_for_entries("copy:order", 1);
+    assert_eq!(copied.len(), 1);
+    assert_eq!(
+        copied[0]["aggregate_seq"], "2",
+        "the copy's aggregates continue from the copied counters (1 published before the copy)"
+    );
+    assert_eq!(redis.xlen("outbox:order"), 3);
+
+    // A template with outbox_pg and nothing in it is relayed in its copies without adoption.
+    admin.batch_execute("CREATE DATABASE blank").unwrap();
+    pg.connect_to("blank").batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    admin.batch_execute("ALTER DATABASE blank IS_TEMPLATE true").unwrap();
+    let refused = pg.connect_to("blank").batch_execute("SELECT outbox_enqueue('t', 1, 'e', '{}')").unwrap_err();
+    assert_eq!(refused.as_db_error().unwrap().code().code(), "55000", "a template is not relayed");
+    admin.batch_execute("CREATE DATABASE fresh TEMPLATE blank").unwrap();
+    let mut fresh = pg.connect_to("fresh");
+    wait_relays_in(&mut admin, "fresh", 1);
+    enqueue(&mut fresh, "fresh", 1);
+    redis.wait_for_entries("outbox:fresh", 1);
+}
+
+/// Issue 23, item 9: with `outbox.enabled = off`, the relay the launcher starts in every database to
+/// find out whether it has outbox_pg stayed connected to one without it, holding a worker slot and a
+/// shared-memory entry.
+#[test]
+fn a_paused_probe_leaves_a_database_without_the_extension() {
+    let redis = Redis::start();
+    // Named in outbox.databases, so that the probe says what it found.
+    let pg = Cluster::start(
+        redis.port,
+        &["outbox.enabled = off", "outbox.databases = 'plain'", "outbox.poll_interval = '200ms'"],
+    );
+    let mut admin = pg.connect();
+    admin.batch_execute("CREATE DATABASE plain").unwrap();
+    // The probe comes, finds nothing and goes, although relaying is off.
+    wait_for(DEADLINE, "the probe to have looked at database plain", || {
+        pg.log().contains("extension outbox_pg is not installed in database \"plain\"").then_some(())
+    });
+    wait_relays_in(&mut admin, "plain", 0);
 }

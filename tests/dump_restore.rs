@@ -5,7 +5,10 @@
 
 mod common;
 
-use common::{enqueue_to, pg_command, run, status_counts, status_of, wait_for, Cluster, Env, Redis, DEADLINE};
+use common::{
+    enqueue_to, pg_command, publish_and_fail, run, status_counts, status_of, wait_for, Cluster, Env,
+    PublishedAndFailed, Redis, DEADLINE,
+};
 
 #[test]
 fn a_restored_dump_delivers_its_undelivered_events_and_nothing_else() {
@@ -17,20 +20,8 @@ fn a_restored_dump_delivers_its_undelivered_events_and_nothing_else() {
         .batch_execute("DO $$ BEGIN FOR i IN 1..3000 LOOP PERFORM pg_current_xact_id(); COMMIT; END LOOP; END $$")
         .unwrap();
 
-    // Published: three events of payment 1.
-    let published: Vec<String> = (0..3).map(|_| enqueue_to(&mut client, "payment", "1", None)).collect();
-    old.redis.wait_for_entries("outbox:payment", 3);
-    // Failed: an event whose stream key is not a stream (max_attempts 1), and its aggregate's next
-    // event waiting behind it.
-    redis::cmd("SET").arg("poisoned").arg("not a stream").query::<()>(&mut old.redis.connection()).unwrap();
-    let poison = enqueue_to(&mut client, "refund", "7", Some("poisoned"));
-    let behind_poison = enqueue_to(&mut client, "refund", "7", None);
-    wait_for(DEADLINE, "the poison event to fail", || (status_of(&mut client, &poison) == "failed").then_some(()));
-    for id in &published {
-        wait_for(DEADLINE, "the published events to show published", || {
-            (status_of(&mut client, id) == "published").then_some(())
-        });
-    }
+    // Published: three events of payment 1. Failed: refund 7's event, with its next one behind it.
+    let PublishedAndFailed { published: _, poison, behind_poison } = publish_and_fail(&mut client, &old.redis);
 
     // Undelivered: the relay is switched off, then payment 1 gets two more events, payment 2 one.
     old.pg.set(&mut client, &[("outbox.enabled", "off")]);

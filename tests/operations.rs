@@ -376,7 +376,7 @@ fn several_workers_share_the_load_and_keep_per_aggregate_order() {
 
 /// The statistics are stale by nature: ANALYZE may run while a large enqueue is still uncommitted
 /// (it counts no rows) or while a table is empty. The relays read the log and the counters
-/// straight from their indexes, without the planner (src/batch.rs, src/counters.rs), because
+/// straight from their indexes, without the planner (src/log/window.rs, src/log/counters.rs), because
 /// planned reads went wrong under such statistics: in the old design a claim that sorted every
 /// undelivered row took 500 ms per 100 events, and in this one a generic plan of the counter probe
 /// made while the counters were empty joined every counter with every aggregate of a batch (8.5 s
@@ -408,7 +408,7 @@ fn the_relays_reads_need_no_statistics() {
     for shard in 0..6i16 {
         let read: i64 = client
             .query_one(
-                "SELECT count(*) FROM outbox._read_shard($1, (SELECT cursor FROM outbox.shards WHERE shard = $1),
+                "SELECT count(*) FROM tests.read_shard($1, (SELECT cursor FROM outbox.shards WHERE shard = $1),
                                                           pg_current_snapshot(), 100)",
                 &[&shard],
             )
@@ -419,7 +419,7 @@ fn the_relays_reads_need_no_statistics() {
     let ids: Vec<String> = (0..5000).map(|i| i.to_string()).chain(["unknown".to_string()]).collect();
     let types = vec!["stale".to_string(); ids.len()];
     let found: i64 = client
-        .query_one("SELECT count(*) FILTER (WHERE last_seq = 1) FROM outbox._counters($1, $2)", &[&types, &ids])
+        .query_one("SELECT count(*) FILTER (WHERE last_seq = 1) FROM tests.counters($1, $2)", &[&types, &ids])
         .unwrap()
         .get(0);
     assert_eq!(found, 5000, "every counter is found, and none for an aggregate that has none");
@@ -433,4 +433,171 @@ fn the_relays_reads_need_no_statistics() {
     for (aggregate, seqs) in seqs {
         assert_eq!(seqs, [2, 3, 4, 5], "aggregate {aggregate} continues from its counter, in order");
     }
+}
+
+/// The shared buffers one statement touched (hits and reads), from EXPLAIN (ANALYZE, BUFFERS): what
+/// it did, counted the same on every machine and whatever its load.
+fn buffers_touched(client: &mut postgres::Client, sql: &str) -> i64 {
+    let plan: serde_json::Value =
+        client.query_one(&format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}"), &[]).unwrap().get(0);
+    let top = &plan[0]["Plan"];
+    top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0)
+}
+
+/// Issue 23, item 3: with one transaction of 2,000,000 events in a log table whose statistics had
+/// seen one distinct txid, `oldest_pending_age()` and the count behind `outbox.stats` took ten
+/// seconds each (a bitmap scan filtered on the shard alone), and the relay's housekeeping, which
+/// asks for the age every second, with them. Both are index walks now, whatever the statistics:
+/// the age reads one row per undelivered transaction, the count each undelivered row once.
+#[test]
+fn health_reads_what_is_undelivered_and_nothing_more_whatever_the_statistics() {
+    let env = Env::start(&["outbox.enabled = off"]);
+    let mut client = env.pg.connect();
+    client.batch_execute("ALTER TABLE outbox.events_0 SET (autovacuum_enabled = false)").unwrap();
+    let mut producer = env.pg.connect();
+    let mut big = producer.transaction().unwrap();
+    big.batch_execute("SELECT outbox_enqueue('lying', i, 'e', '{}') FROM generate_series(1, 100000) i").unwrap();
+    big.commit().unwrap();
+    // Statistics that know one transaction only; then more transactions they know nothing of.
+    client.batch_execute("ANALYZE outbox.events_0").unwrap();
+    client
+        .batch_execute("SELECT outbox_enqueue('lying', 'later-' || i, 'e', '{}') FROM generate_series(1, 50) i")
+        .unwrap();
+    let rows = 100_050i64;
+    let (pending, age_known): (i64, bool) = {
+        let row = client.query_one("SELECT pending, oldest_pending_age IS NOT NULL FROM outbox.stats", &[]).unwrap();
+        (row.get(0), row.get(1))
+    };
+    assert_eq!((pending, age_known), (rows, true));
+    // The age: an index probe and one row per undelivered transaction (51 here), per shard.
+    let age = buffers_touched(&mut client, "SELECT outbox.oldest_pending_age()");
+    assert!(age < 16 * 51 * 4, "the age touched {age} buffers for 51 undelivered transactions");
+    // The count: each undelivered row once, and the index pages above them.
+    let pages: i64 = client
+        .query_one(
+            "SELECT (pg_relation_size('outbox.events_0') + pg_relation_size('outbox.events_0_batch_idx')) / 8192",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let count = buffers_touched(&mut client, "SELECT * FROM outbox.stats");
+    assert!(
+        count < rows + pages + 1000,
+        "outbox.stats touched {count} buffers for {rows} undelivered rows ({pages} pages)"
+    );
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    env.redis.wait_for_entries("outbox:lying", rows as usize);
+    let after: i64 = client.query_one("SELECT pending FROM outbox.stats", &[]).unwrap().get(0);
+    assert_eq!(after, 0);
+}
+
+/// What counts as undelivered is one rule (src/sql/health.sql) written in two forms: outbox._health
+/// walks the indexes for outbox.stats and oldest_pending_age, outbox.messages says it event by
+/// event. Here they must agree, and on the numbers, through every way an event is consumed: a
+/// shard's cursor, the position reached in a window published in parts (inside a transaction, next
+/// to a rolled-back subtransaction's row), and the failure path (waiting and failed). The relays
+/// are paused and this session finishes batches as a relay would.
+#[test]
+fn messages_and_stats_agree_on_what_is_undelivered() {
+    let env = Env::start(&["outbox.enabled = off"]);
+    let mut client = env.pg.connect();
+    // One aggregate in each of three shards.
+    let ids: Vec<(String, i16)> = client
+        .query(
+            "SELECT DISTINCT ON (tests.shard_of('agree', i::text)) i::text, tests.shard_of('agree', i::text)
+               FROM generate_series(1, 1000) i ORDER BY tests.shard_of('agree', i::text), i LIMIT 3",
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let [(p, shard_p), (q, shard_q), (r, shard_r)] = [ids[0].clone(), ids[1].clone(), ids[2].clone()];
+    let enqueue = |n: usize, id: &str| {
+        format!("SELECT outbox_enqueue('agree', '{id}', 'e', '{{}}') FROM generate_series(1, {n});")
+    };
+    client.batch_execute(&format!("BEGIN; {} COMMIT;", enqueue(2, &p))).unwrap();
+    client
+        .batch_execute(&format!(
+            "BEGIN; {} SAVEPOINT s; {} ROLLBACK TO SAVEPOINT s; COMMIT;",
+            enqueue(2, &p),
+            enqueue(1, &p)
+        ))
+        .unwrap();
+    client.batch_execute(&enqueue(1, &p)).unwrap();
+    client.batch_execute(&enqueue(2, &q)).unwrap();
+    client.batch_execute(&enqueue(3, &r)).unwrap();
+
+    let agree = |client: &mut postgres::Client, pending: i64, failed: i64| {
+        let row = client
+            .query_one(
+                "SELECT h.undelivered, h.failed,
+                        (SELECT count(*) FROM outbox.messages WHERE status = 'pending'),
+                        (SELECT count(*) FROM outbox.messages WHERE status = 'failed'),
+                        h.oldest IS NOT DISTINCT FROM (SELECT min(created_at) FROM outbox.messages WHERE status = 'pending'),
+                        (SELECT s.pending FROM outbox.stats s)
+                   FROM outbox._health() h",
+                &[],
+            )
+            .unwrap();
+        let (undelivered, health_failed, messages_pending, messages_failed, same_oldest, stats_pending): (
+            i64,
+            i64,
+            i64,
+            i64,
+            bool,
+            i64,
+        ) = (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4), row.get(5));
+        assert_eq!((undelivered, messages_pending, stats_pending), (pending, pending, pending), "undelivered");
+        assert_eq!((health_failed, messages_failed), (failed, failed), "failed");
+        assert!(same_oldest, "outbox._health and outbox.messages disagree on the oldest undelivered event");
+    };
+    agree(&mut client, 10, 0);
+
+    // This session holds every shard, as a relay would.
+    let me: i32 = client.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM outbox._claim_shards(pg_backend_pid(), 16, 600000)"), 16);
+    let advance = |client: &mut postgres::Client, shard: i16, cursor: &str, window: Option<(&str, i64, i64)>| {
+        client
+            .execute(
+                "SELECT outbox._advance($1, ARRAY[$2::smallint], ARRAY[$3::text], ARRAY[$4::text], ARRAY[$5::bigint],
+                                        ARRAY[$6::bigint], '{}', '{}', '{}', '{}', '{}', '{}')",
+                &[&me, &shard, &cursor, &window.map(|w| w.0), &window.map(|w| w.1), &window.map(|w| w.2)],
+            )
+            .unwrap();
+    };
+    let now: String = client.query_one("SELECT pg_current_snapshot()::text", &[]).unwrap().get(0);
+
+    // Shard q's cursor moves past its two events.
+    advance(&mut client, shard_q, &now, None);
+    agree(&mut client, 8, 0);
+
+    // Shard p's window is published in parts up to the first event of its second transaction (whose
+    // rolled-back subtransaction's row is in the index too): the first transaction and that event
+    // are consumed.
+    let transactions: Vec<(i64, i64)> = client
+        .query(
+            "SELECT min(id), max(id) FROM outbox.events WHERE shard = $1 GROUP BY txid ORDER BY min(id)",
+            &[&shard_p],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(transactions.len(), 3);
+    let cursor_p: String =
+        client.query_one("SELECT cursor::text FROM outbox.shards WHERE shard = $1", &[&shard_p]).unwrap().get(0);
+    advance(&mut client, shard_p, &cursor_p, Some((&now, transactions[1].1, transactions[1].0)));
+    agree(&mut client, 5, 0);
+
+    // Shard r: Redis rejected its first event (failed at once), the second waits behind it, and its
+    // cursor moves past all three.
+    client
+        .batch_execute(&format!(
+            "SELECT outbox._hold(ARRAY(SELECT event_id FROM outbox.events WHERE shard = {shard_r} ORDER BY id LIMIT 2),
+                                 ARRAY[1, 2]::bigint[], ARRAY['WRONGTYPE', NULL], 1, 10)"
+        ))
+        .unwrap();
+    advance(&mut client, shard_r, &now, None);
+    agree(&mut client, 3, 1);
 }

@@ -1,7 +1,13 @@
-//! The Debian packages of scripts/package.sh, installed the way an operator installs them
-//! (`apt-get install ./<deb>`): the extension's files come from the package, a cluster preloads the
-//! library, `CREATE EXTENSION` works and an enqueued event reaches Redis; the CLI package's
-//! `/usr/bin/outbox-consume` then reads that event back.
+//! The Debian packages of scripts/package.sh for the PostgreSQL under test (`PG_MAJOR`):
+//! - for every major, what the extension package holds and declares (`dpkg-deb -c`, `-f`): the
+//!   library, control file, install and upgrade scripts where Debian's and PGDG's `postgresql-NN`
+//!   look for them, `Depends: postgresql-NN`;
+//! - installed the way an operator installs them (`apt-get install ./<deb>`) when the server under
+//!   test is Debian's own `postgresql-NN` (15 here): the extension's files come from the package,
+//!   a cluster preloads the library, `CREATE EXTENSION` works and an enqueued event reaches Redis;
+//!   the CLI package's `/usr/bin/outbox-consume` then reads that event back. For the other majors
+//!   (PyPI builds, scripts/pg-config.sh) no Debian server exists to install into: only the CLI
+//!   package is installed, and reads an event the suite's install relayed.
 //!
 //! Needs root (apt-get). It builds the release packages first, several minutes on 2 cores;
 //! `OUTBOX_PACKAGE_REUSE=1` reuses packages of the current versions already in target/debian.
@@ -135,17 +141,13 @@ fn debian_packages_install_and_relay() {
             })
             .unwrap_or_else(|| panic!("scripts/package.sh printed no path of package {package}:\n{built}"))
     };
-    // Named like Debian's own extension packages, by the server's major version (scripts/package.sh).
-    let ext_pkg: &'static str =
-        format!("postgresql-{}-outbox-pg", std::env::var("PG_MAJOR").unwrap_or_else(|_| "15".into())).leak();
+    // Named and laid out like Debian's own extension packages, by the server's major version.
+    let major = std::env::var("PG_MAJOR").unwrap_or_else(|_| "15".into());
+    let ext_pkg: &'static str = format!("postgresql-{major}-outbox-pg").leak();
     let (ext_deb, cli_deb) = (deb_of(ext_pkg), deb_of(CLI_PKG));
-    let _installation = Installation::install(&[(ext_pkg, &ext_deb), (CLI_PKG, &cli_deb)]);
-
-    // The files the server loads belong to the package, unmodified.
-    let owned = run(Command::new("dpkg").args(["-L", ext_pkg]), "dpkg -L");
-    let owned: Vec<&Path> = owned.lines().map(Path::new).collect();
-    let extension_dir = pg_config("--sharedir").join("extension");
-    let mut expected = vec![pg_config("--pkglibdir").join("outbox_pg.so"), extension_dir.join("outbox_pg.control")];
+    let libdir = PathBuf::from(format!("/usr/lib/postgresql/{major}/lib"));
+    let extension_dir = PathBuf::from(format!("/usr/share/postgresql/{major}/extension"));
+    let mut expected = vec![libdir.join("outbox_pg.so"), extension_dir.join("outbox_pg.control")];
     expected.push(extension_dir.join(format!("outbox_pg--{}.sql", env!("CARGO_PKG_VERSION"))));
     for script in fs::read_dir(format!("{root}/sql")).unwrap() {
         let name = script.unwrap().file_name().into_string().unwrap();
@@ -153,6 +155,42 @@ fn debian_packages_install_and_relay() {
             expected.push(extension_dir.join(name));
         }
     }
+    let packed = files_of(&ext_deb);
+    for path in &expected {
+        assert!(packed.contains(path), "{} does not hold {}:\n{packed:?}", ext_deb.display(), path.display());
+    }
+    let docs = PathBuf::from(format!("/usr/share/doc/{ext_pkg}"));
+    let strays: Vec<&PathBuf> = packed.iter().filter(|p| !expected.contains(p) && !p.starts_with(&docs)).collect();
+    assert!(strays.is_empty(), "{} holds files outside the extension's directories: {strays:?}", ext_deb.display());
+    let control = |field: &str| {
+        run(Command::new("dpkg-deb").arg("-f").arg(&ext_deb).arg(field), "dpkg-deb -f").trim().to_string()
+    };
+    assert_eq!(control("Package"), ext_pkg);
+    assert_eq!(control("Version"), env!("CARGO_PKG_VERSION").replacen('-', "~", 1));
+    let depends = control("Depends");
+    assert!(depends.starts_with(&format!("postgresql-{major}, ")) && depends.contains("libc6"), "Depends: {depends}");
+
+    // Only Debian's own server of this major can take the extension package.
+    let debian_server = pg_config("--bindir") == Path::new(&format!("/usr/lib/postgresql/{major}/bin"))
+        && installed(&format!("postgresql-{major}"));
+    if !debian_server {
+        eprintln!("PostgreSQL {major} under test is not Debian's postgresql-{major}: {ext_pkg} checked, not installed");
+        let _installation = Installation::install(&[(CLI_PKG, &cli_deb)]);
+        let env = Env::start(&[]);
+        let mut client = env.pg.connect();
+        let event_id: String = client
+            .query_one("SELECT outbox_enqueue('payment', '1', 'payment.created', '{}'::jsonb)::text", &[])
+            .unwrap()
+            .get(0);
+        env.redis.wait_for_entries("outbox:payment", 1);
+        consume_one(&env, &event_id);
+        return;
+    }
+    let _installation = Installation::install(&[(ext_pkg, &ext_deb), (CLI_PKG, &cli_deb)]);
+
+    // The files the server loads belong to the package, unmodified.
+    let owned = run(Command::new("dpkg").args(["-L", ext_pkg]), "dpkg -L");
+    let owned: Vec<&Path> = owned.lines().map(Path::new).collect();
     for path in &expected {
         assert!(owned.contains(&path.as_path()), "{ext_pkg} does not install {}:\n{owned:?}", path.display());
     }
@@ -176,7 +214,11 @@ fn debian_packages_install_and_relay() {
     assert_eq!(entries[0]["aggregate_id"], "1");
     assert_eq!(entries[0]["event_type"], "payment.created");
 
-    // The CLI from the package reads the event back. --idle-exit-ms is its deadline.
+    consume_one(&env, &event_id);
+}
+
+/// The CLI from the package reads the event back. --idle-exit-ms is its deadline.
+fn consume_one(env: &Env, event_id: &str) {
     let help = run(Command::new("/usr/bin/outbox-consume").arg("--help"), "outbox-consume --help");
     assert!(help.starts_with("usage: outbox-consume"), "{help}");
     let consumed = run(
@@ -196,5 +238,5 @@ fn debian_packages_install_and_relay() {
         ]),
         "outbox-consume",
     );
-    assert!(consumed.contains(&event_id), "outbox-consume printed no event {event_id}:\n{consumed}");
+    assert!(consumed.contains(event_id), "outbox-consume printed no event {event_id}:\n{consumed}");
 }

@@ -7,131 +7,35 @@ mod common;
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
-use common::{free_port, status_counts, wait_for, Cluster, Redis, DEADLINE};
+use common::{free_port, status_counts, wait_for, Certificates, Cluster, Redis, DEADLINE};
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let out = Command::new("openssl").args(args).current_dir(dir).output().expect("openssl");
-    assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-}
-
-/// A CA with a server certificate for 127.0.0.1 and a client certificate, and an unrelated CA, in a
-/// directory the server's OS user can read; the client key is the server user's, owner-only.
-struct Certificates {
-    dir: PathBuf,
-}
-
-impl Certificates {
-    fn make() -> Certificates {
-        let dir = PathBuf::from(format!("/tmp/opg-it/tls-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        fs::set_permissions(&dir, fs::Permissions::from_mode(0o755)).unwrap();
-        for (ca, subject) in [("ca", "/CN=outbox test CA"), ("rogue", "/CN=some other CA")] {
-            openssl(
-                &dir,
-                &[
-                    "req",
-                    "-x509",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-days",
-                    "2",
-                    "-subj",
-                    subject,
-                    "-keyout",
-                    &format!("{ca}.key"),
-                    "-out",
-                    &format!("{ca}.crt"),
-                ],
-            );
-        }
-        fs::write(dir.join("server.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
-        fs::write(dir.join("client.ext"), "extendedKeyUsage=clientAuth\n").unwrap();
-        for (who, subject) in [("server", "/CN=localhost"), ("client", "/CN=outbox relay")] {
-            openssl(
-                &dir,
-                &[
-                    "req",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-subj",
-                    subject,
-                    "-keyout",
-                    &format!("{who}.key"),
-                    "-out",
-                    &format!("{who}.csr"),
-                ],
-            );
-            openssl(
-                &dir,
-                &[
-                    "x509",
-                    "-req",
-                    "-in",
-                    &format!("{who}.csr"),
-                    "-CA",
-                    "ca.crt",
-                    "-CAkey",
-                    "ca.key",
-                    "-CAcreateserial",
-                    "-days",
-                    "2",
-                    "-extfile",
-                    &format!("{who}.ext"),
-                    "-out",
-                    &format!("{who}.crt"),
-                ],
-            );
-        }
-        for file in ["ca.crt", "rogue.crt", "server.crt", "client.crt"] {
-            fs::set_permissions(dir.join(file), fs::Permissions::from_mode(0o644)).unwrap();
-        }
-        let key = dir.join("client.key");
-        fs::set_permissions(&key, fs::Permissions::from_mode(0o600)).unwrap();
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            assert!(Command::new("chown").arg("postgres:postgres").arg(&key).status().unwrap().success());
-        }
-        Certificates { dir }
-    }
-
-    fn path(&self, file: &str) -> String {
-        self.dir.join(file).display().to_string()
-    }
-}
-
-impl Drop for Certificates {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.dir);
-    }
+fn path(file: &Path) -> String {
+    file.display().to_string()
 }
 
 #[test]
 fn tls_is_verified_against_the_configured_ca_and_presents_the_client_certificate() {
-    let certs = Certificates::make();
+    let certs = Certificates::generate();
     let tls_port = free_port();
     // Plain port for the test's own reads, TLS port (client certificates required) for the relay.
     let redis = Redis::start_with(&[
         "--tls-port",
         &tls_port.to_string(),
         "--tls-cert-file",
-        &certs.path("server.crt"),
+        &path(&certs.server_cert),
         "--tls-key-file",
-        &certs.path("server.key"),
+        &path(&certs.server_key),
         "--tls-ca-cert-file",
-        &certs.path("ca.crt"),
+        &path(&certs.ca),
         "--tls-auth-clients",
         "yes",
     ]);
     let url = format!("outbox.redis_url = 'rediss://127.0.0.1:{tls_port}'");
-    let ca = format!("outbox.redis_tls_ca_file = '{}'", certs.path("ca.crt"));
-    let cert = format!("outbox.redis_tls_cert_file = '{}'", certs.path("client.crt"));
-    let key = format!("outbox.redis_tls_key_file = '{}'", certs.path("client.key"));
+    let ca = format!("outbox.redis_tls_ca_file = '{}'", path(&certs.ca));
+    let cert = format!("outbox.redis_tls_cert_file = '{}'", path(&certs.client_cert));
+    let key = format!("outbox.redis_tls_key_file = '{}'", path(&certs.client_key));
     let pg = Cluster::start(redis.port, &[&url, &ca, &cert, &key, "outbox.max_attempts = 1"]);
     let mut client = pg.connect();
     client
@@ -171,7 +75,7 @@ fn tls_is_verified_against_the_configured_ca_and_presents_the_client_certificate
         error
     };
     let error = expect_refusal(
-        &[("outbox.redis_tls_ca_file", &certs.path("rogue.crt"))],
+        &[("outbox.redis_tls_ca_file", &path(&certs.other_ca))],
         "the unverifiable certificate to be reported",
         1,
         "certificate",
@@ -184,7 +88,7 @@ fn tls_is_verified_against_the_configured_ca_and_presents_the_client_certificate
     // Without the client certificate the server refuses the handshake.
     expect_refusal(
         &[
-            ("outbox.redis_tls_ca_file", &certs.path("ca.crt")),
+            ("outbox.redis_tls_ca_file", &path(&certs.ca)),
             ("outbox.redis_tls_cert_file", ""),
             ("outbox.redis_tls_key_file", ""),
         ],
@@ -193,17 +97,17 @@ fn tls_is_verified_against_the_configured_ca_and_presents_the_client_certificate
         "",
     );
     // A client key that others may read is refused before it is used.
-    fs::set_permissions(certs.dir.join("client.key"), fs::Permissions::from_mode(0o644)).unwrap();
+    fs::set_permissions(&certs.client_key, fs::Permissions::from_mode(0o644)).unwrap();
     expect_refusal(
         &[
-            ("outbox.redis_tls_cert_file", &certs.path("client.crt")),
-            ("outbox.redis_tls_key_file", &certs.path("client.key")),
+            ("outbox.redis_tls_cert_file", &path(&certs.client_cert)),
+            ("outbox.redis_tls_key_file", &path(&certs.client_key)),
         ],
         "the readable key to be refused",
         0,
         "group or world access",
     );
-    fs::set_permissions(certs.dir.join("client.key"), fs::Permissions::from_mode(0o600)).unwrap();
+    fs::set_permissions(&certs.client_key, fs::Permissions::from_mode(0o600)).unwrap();
     // Certificates for a plain URL are a configuration error, not a silent plain connection.
     expect_refusal(
         &[("outbox.redis_url", &format!("redis://127.0.0.1:{}", redis.port))],

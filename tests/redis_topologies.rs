@@ -5,7 +5,6 @@
 
 mod common;
 
-use common::topologies::{RedisCluster, SentinelSet, SENTINEL_MASTER};
 use common::*;
 
 /// Producers spread over six streams, so that a cluster's three masters all get some.
@@ -16,6 +15,12 @@ fn spread_workload() -> Workload {
         max_time: std::time::Duration::from_secs(150),
         ..Workload::default()
     }
+}
+
+/// The relay's Redis user in a cluster, with the least privileges the README lists for cluster
+/// mode (password `relay-pw`).
+fn relay_user() -> Vec<&'static str> {
+    [RELAY_ACL_USER, &["+wait", "+cluster|slots", "+asking"]].concat()
 }
 
 fn relay_settings(url: &str, mode: &str) -> Vec<String> {
@@ -61,22 +66,8 @@ fn a_sentinel_failover_mid_drain_loses_nothing_and_the_relay_follows_the_new_mas
 #[test]
 fn a_cluster_master_killed_and_a_slot_migrated_mid_drain_lose_nothing() {
     let mut cluster = RedisCluster::start();
-    // The relay runs as a user with the least privileges the README lists for cluster mode.
-    cluster.add_user(&[
-        "relay",
-        "on",
-        ">relay-pw",
-        "~outbox:*",
-        "-@all",
-        "+multi",
-        "+exec",
-        "+xadd",
-        "+ping",
-        "+wait",
-        "+cluster|slots",
-        "+asking",
-    ]);
-    let pg = Cluster::start_with(&relay_settings(&cluster.url_as("relay:relay-pw@"), "cluster"));
+    cluster.add_user(&relay_user());
+    let pg = Cluster::start_with(&relay_settings(&cluster.seed_url("relay:relay-pw@", 2), "cluster"));
     let mut client = pg.connect();
     client.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
     let ledger = SharedLedger::default();
@@ -145,4 +136,61 @@ fn a_standalone_relay_pointed_at_a_cluster_node_says_so_and_fails_no_event() {
     wait_drained(&mut client);
     let delivered = cluster.entries_at(cluster.master_of(cluster.key_slot(&stream)).port, &stream);
     assert_eq!(delivered.len(), 1);
+}
+
+/// Issue 28: `outbox.redis_url` takes the sentinels or a cluster's nodes as comma-separated full
+/// URLs, each with its own credentials, the form other Redis clients take (the compact
+/// `redis://h1:1,h2:2` of the tests above works as well). A list with a part that does not parse
+/// is a Redis-wide failure whose error names that part; nothing is dead-lettered.
+#[test]
+fn the_relay_takes_sentinels_and_cluster_nodes_as_full_urls_and_names_a_bad_part() {
+    let sentinels = SentinelSet::start();
+    let compact = sentinels.url();
+    let full: Vec<String> = compact["redis://".len()..].split(',').map(|node| format!("redis://{node}")).collect();
+    assert!(full.len() > 1, "{compact}");
+    let pg = Cluster::start_with(&relay_settings(&full.join(","), "sentinel"));
+    let mut client = pg.connect();
+    client.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    client.execute("SELECT outbox_enqueue('order', 1, 'e', '{}')", &[]).unwrap();
+    wait_drained(&mut client);
+    assert_eq!(sentinels.master.entries("outbox:order").len(), 1);
+
+    let mut cluster = RedisCluster::start();
+    cluster.add_user(&relay_user());
+    let urls = cluster.full_urls("relay:relay-pw@");
+    assert!(urls.matches("redis://relay:relay-pw@").count() > 1, "{urls}");
+    pg.set(&mut client, &[("outbox.redis_mode", "cluster"), ("outbox.redis_url", &urls)]);
+    wait_for(DEADLINE, "the relays to publish to the cluster after the reload", || {
+        pg.log().contains("after the reload, Redis is cluster").then_some(())
+    });
+    let streams = ["order", "payment", "invoice", "refund", "customer", "shipment"];
+    for aggregate_type in streams {
+        client.execute("SELECT outbox_enqueue($1, 2, 'e', '{}')", &[&aggregate_type]).unwrap();
+    }
+    wait_drained(&mut client);
+    for aggregate_type in streams {
+        let stream = format!("outbox:{aggregate_type}");
+        let master = cluster.master_of(cluster.key_slot(&stream)).port;
+        assert_eq!(cluster.entries_at(master, &stream).len(), 1, "{stream}");
+    }
+
+    // A node of the list that does not parse: the error names it, by position, without secrets.
+    let bad = format!("{urls},redis://relay:relay-pw@127.0.0.1:notaport");
+    pg.set(&mut client, &[("outbox.redis_url", &bad)]);
+    wait_for(DEADLINE, "the relays to take the malformed list", || {
+        pg.log().contains("Redis is cluster 127.0.0.1:notaport (invalid outbox.redis_url)").then_some(())
+    });
+    client.execute("SELECT outbox_enqueue('order', 3, 'e', '{}')", &[]).unwrap();
+    let nodes = bad.matches("redis://").count();
+    let error = wait_for_failed_rounds(&mut client, 1, "rounds refused for the malformed list");
+    assert!(error.contains(&format!("(node {nodes} of {nodes})")) && error.contains("127.0.0.1:notaport"), "{error}");
+    assert!(!error.contains("relay-pw"), "{error}");
+    // An empty part: named as the part of the list it is.
+    pg.set(&mut client, &[("outbox.redis_url", &format!("{urls},redis://127.0.0.1:1,,127.0.0.1:2"))]);
+    let error = wait_for_failed_rounds(&mut client, 1, "rounds refused for the list with an empty node");
+    let part = format!("part {nodes} of {nodes} (\"127.0.0.1:1,,127.0.0.1:2\") has an empty node in its host list");
+    assert!(error.contains(&part), "{error}");
+    assert_eq!(client.query_one("SELECT failed FROM outbox.stats", &[]).unwrap().get::<_, i64>(0), 0);
+    pg.set(&mut client, &[("outbox.redis_url", &urls)]);
+    wait_drained(&mut client);
 }

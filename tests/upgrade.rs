@@ -17,7 +17,10 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{enqueue_to, pg_config, run, status_counts, status_of, wait_for, Cluster, Redis, DEADLINE};
+use common::{
+    enqueue_to, pg_config, publish_and_fail, run, seqs_of, status_counts, status_of, wait_for, Cluster, PgInstall,
+    PublishedAndFailed, Redis, SwappedExtension, DEADLINE,
+};
 
 const CURRENT: &str = env!("CARGO_PKG_VERSION");
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
@@ -43,11 +46,13 @@ fn git(args: &[&str]) -> Command {
 }
 
 /// Builds `version` from its tag (or, in a clone without tags, the commit sql/releases names) with
-/// `cargo pgrx package`, once: the package directory is kept under target/upgrade/ for later runs.
+/// `cargo pgrx package` for the PostgreSQL under test, once: the package directory is kept under
+/// target/upgrade/ for later runs, one per major (their builds share one target directory).
 fn build_release(version: &str, commit: &str) -> PathBuf {
     let work = Path::new(ROOT).join("target/upgrade").join(version);
-    let package = work.join("package");
-    let stamp = work.join("built-from");
+    let major = std::env::var("PG_MAJOR").unwrap_or_else(|_| "15".into());
+    let package = work.join(format!("package-pg{major}"));
+    let stamp = work.join(format!("built-from-pg{major}"));
     if fs::read_to_string(&stamp).ok().as_deref() == Some(commit) && package.exists() {
         return package;
     }
@@ -73,7 +78,7 @@ fn build_release(version: &str, commit: &str) -> PathBuf {
     untar.arg("-xf").arg(&archive).arg("-C").arg(&source);
     run(untar, "tar -x");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let feature = format!("pg{}", std::env::var("PG_MAJOR").unwrap_or_else(|_| "15".into()));
+    let feature = format!("pg{major}");
     let mut build = Command::new(cargo);
     build
         .current_dir(&source)
@@ -86,74 +91,6 @@ fn build_release(version: &str, commit: &str) -> PathBuf {
     run(build, &format!("cargo pgrx package of release {version}"));
     fs::write(&stamp, commit).unwrap();
     package
-}
-
-/// Every file of a package directory (or of a backup) named `outbox_pg*`.
-fn extension_files(dir: &Path) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(next) = stack.pop() {
-        for entry in fs::read_dir(&next).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.file_name().unwrap().to_string_lossy().starts_with("outbox_pg") {
-                found.push(path);
-            }
-        }
-    }
-    found
-}
-
-/// The extension's files in PostgreSQL's directories: saved at the start, restored at the end.
-struct InstalledFiles {
-    libdir: PathBuf,
-    extdir: PathBuf,
-    backup: PathBuf,
-}
-
-impl InstalledFiles {
-    fn save() -> InstalledFiles {
-        let files = InstalledFiles {
-            libdir: pg_config("--pkglibdir"),
-            extdir: pg_config("--sharedir").join("extension"),
-            backup: Path::new(ROOT).join("target/upgrade/current"),
-        };
-        let _ = fs::remove_dir_all(&files.backup);
-        fs::create_dir_all(&files.backup).unwrap();
-        for dir in [&files.libdir, &files.extdir] {
-            for path in extension_files(dir) {
-                fs::copy(&path, files.backup.join(path.file_name().unwrap())).unwrap();
-            }
-        }
-        assert!(files.backup.join("outbox_pg.so").exists(), "outbox_pg is not installed; run scripts/test.sh");
-        files
-    }
-
-    /// Replaces the installed extension by the files under `from`. Each file is written beside its
-    /// target and renamed over it: a running server keeps the library it mapped.
-    fn install(&self, from: &Path) {
-        for path in extension_files(&self.extdir) {
-            fs::remove_file(path).unwrap();
-        }
-        for path in extension_files(from) {
-            let name = path.file_name().unwrap().to_owned();
-            let dir = if name == "outbox_pg.so" { &self.libdir } else { &self.extdir };
-            let temporary = dir.join(format!(".{}.upgrade-test", name.to_string_lossy()));
-            fs::copy(&path, &temporary).unwrap();
-            fs::rename(&temporary, dir.join(&name)).unwrap();
-        }
-    }
-
-    fn restore(&self) {
-        self.install(&self.backup.clone());
-    }
-}
-
-impl Drop for InstalledFiles {
-    fn drop(&mut self) {
-        self.restore();
-    }
 }
 
 fn relays(client: &mut postgres::Client) -> i64 {
@@ -193,7 +130,7 @@ SELECT pg_describe_object(m.classid, m.objid, 0) || ' :: ' ||
                                           LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
                                           LEFT JOIN pg_collation co ON co.oid = a.attcollation AND co.collname <> 'default'
                                          WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), '')
-                  || ' | ' || coalesce((SELECT string_agg(pg_get_indexdef(i.indexrelid), '; ' ORDER BY 1)
+                  || ' | ' || coalesce((SELECT string_agg(pg_get_indexdef(i.indexrelid), '; ' ORDER BY pg_get_indexdef(i.indexrelid))
                                           FROM pg_index i WHERE i.indrelid = c.oid), '')
                   || ' | ' || coalesce((SELECT string_agg(k.conname || ' ' || pg_get_constraintdef(k.oid), '; ' ORDER BY k.conname)
                                           FROM pg_constraint k WHERE k.conrelid = c.oid), '')
@@ -215,8 +152,8 @@ fn schema_signature(client: &mut postgres::Client) -> BTreeSet<String> {
         .into_iter()
         .map(|row| row.get::<_, String>(0))
         // The test build (scripts/test.sh installs it) adds schema `tests` with the #[pg_test]
-        // functions; no release has them.
-        .filter(|line| !line.starts_with("schema tests ") && !line.starts_with("function tests."))
+        // functions and the helpers of src/sql/test_helpers.sql; no release has them.
+        .filter(|line| !["schema tests ", "function tests.", "type tests."].iter().any(|test| line.starts_with(test)))
         .collect()
 }
 
@@ -224,7 +161,8 @@ fn schema_signature(client: &mut postgres::Client) -> BTreeSet<String> {
 fn an_update_from_the_previous_release_keeps_every_event_and_setting() {
     let (previous, commit) = previous_release();
     let old_package = build_release(&previous, &commit);
-    let installed = InstalledFiles::save();
+    let installed = SwappedExtension::save(PgInstall::under_test(), Path::new(ROOT).join("target/upgrade/current"));
+    assert!(installed.had_library(), "outbox_pg is not installed; run scripts/test.sh");
     installed.install(&old_package);
 
     let mut redis = Redis::start();
@@ -236,17 +174,7 @@ fn an_update_from_the_previous_release_keeps_every_event_and_setting() {
     assert_eq!(extension_version(&mut client), previous);
 
     // Published, failed (with its aggregate's next event waiting behind it), undelivered.
-    let published: Vec<String> = (0..3).map(|_| enqueue_to(&mut client, "payment", "1", None)).collect();
-    redis.wait_for_entries("outbox:payment", 3);
-    redis::cmd("SET").arg("poisoned").arg("not a stream").query::<()>(&mut redis.connection()).unwrap();
-    let poison = enqueue_to(&mut client, "refund", "7", Some("poisoned"));
-    let behind_poison = enqueue_to(&mut client, "refund", "7", None);
-    wait_for(DEADLINE, "the poison event to fail", || (status_of(&mut client, &poison) == "failed").then_some(()));
-    for id in &published {
-        wait_for(DEADLINE, "the published events to show published", || {
-            (status_of(&mut client, id) == "published").then_some(())
-        });
-    }
+    let PublishedAndFailed { published, poison, behind_poison } = publish_and_fail(&mut client, &redis);
     wait_for(DEADLINE, "two relays", || (relays(&mut client) == 2).then_some(()));
     redis.kill();
     let undelivered = [
@@ -276,13 +204,7 @@ fn an_update_from_the_previous_release_keeps_every_event_and_setting() {
     // Each aggregate's events in order, numbered after the old counters. (Two relays hold
     // different shards, so the two aggregates may interleave either way.)
     let entries = redis.wait_for_entries("outbox:payment", 3);
-    let of = |aggregate: &str| -> Vec<(String, String)> {
-        entries
-            .iter()
-            .filter(|e| e["aggregate_id"] == aggregate)
-            .map(|e| (e["event_id"].clone(), e["aggregate_seq"].clone()))
-            .collect()
-    };
+    let of = |aggregate: &str| seqs_of(&entries, aggregate);
     assert_eq!(of("1"), [(undelivered[0].clone(), "4".to_string()), (undelivered[2].clone(), "5".to_string())]);
     assert_eq!(of("2"), [(undelivered[1].clone(), "1".to_string())]);
     assert_eq!(status_of(&mut client, &poison), "failed");

@@ -1,415 +1,116 @@
-//! Test harness: a private PostgreSQL cluster with outbox_pg preloaded and a private
-//! `redis-server`, each on a free loopback port, that tests can stop, kill and restart.
-//! PostgreSQL refuses to run as root, so when the tests run as root the server runs as `postgres`.
+//! What the extension's integration tests share beyond the servers (those are outbox-testkit's,
+//! re-exported here so that a test names everything through `common`): an environment of a
+//! Redis and a cluster with the extension created; enqueue and status helpers and the events the
+//! upgrade and restore tests start from; the extension's files swapped for another build's;
+//! producers that record the fate of every transaction, and the invariant checker that compares
+//! that record with PostgreSQL and Redis; stepped sessions (`steps`).
 #![allow(dead_code)]
 
-pub mod topologies;
+pub mod steps;
 
 use std::collections::HashMap;
 use std::fs;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub const DEADLINE: Duration = Duration::from_secs(60);
+// Each test binary names a few of them.
+#[allow(unused_imports)]
+pub use outbox_testkit::{
+    free_port, run, stream_keys_on, try_connect, wait_for, Certificates, Cluster, ClusterNode, PgInstall, Redis,
+    RedisCluster, SentinelSet, StreamStore, TempDir, DEADLINE, SENTINEL_MASTER,
+};
 
-/// Polls `probe` until it returns `Some`, failing the test with `what` after `timeout`.
-pub fn wait_for<T>(timeout: Duration, what: &str, mut probe: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    let mut pause = Duration::from_millis(2);
-    loop {
-        if let Some(value) = probe() {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(100));
-    }
-}
-
-/// `text` with every byte but ASCII letters and digits percent-encoded, as a URL's password.
-pub fn percent_encoded(text: &str) -> String {
-    text.bytes()
-        .map(|b| if b.is_ascii_alphanumeric() { (b as char).to_string() } else { format!("%{b:02X}") })
-        .collect()
-}
-
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn running_as_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// A directory of the installed PostgreSQL (`--bindir`, `--pkglibdir`, `--sharedir`), from
-/// $PG_CONFIG or PostgreSQL 15's pg_config.
+/// A directory of the installation under test (`--bindir`, `--pkglibdir`, `--sharedir`).
 pub fn pg_config(flag: &str) -> PathBuf {
-    let pg_config = std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into());
-    let out = Command::new(&pg_config).arg(flag).output().expect("pg_config");
-    PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
+    PathBuf::from(PgInstall::under_test().ask(flag))
 }
 
-fn pg_bindir() -> PathBuf {
-    pg_config("--bindir")
-}
-
-/// A PostgreSQL client program (pg_dump, pg_restore, psql) of the installed server's version.
+/// A PostgreSQL client program (pg_dump, pg_restore, psql) of the installation under test.
 pub fn pg_command(program: &str) -> Command {
-    Command::new(pg_bindir().join(program))
+    PgInstall::under_test().command(program)
 }
 
-fn pg_libdir() -> PathBuf {
-    pg_config("--pkglibdir")
-}
-
-/// A command run as the server's OS user.
-fn as_server_user(program: &Path) -> Command {
-    if running_as_root() {
-        let mut cmd = Command::new("runuser");
-        cmd.arg("-u").arg("postgres").arg("--").arg(program);
-        cmd
-    } else {
-        Command::new(program)
-    }
-}
-
-pub fn run(mut cmd: Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "{what} failed: {text}");
-    text
-}
-
-fn chown_to_server_user(path: &Path) {
-    if running_as_root() {
-        run(
-            {
-                let mut c = Command::new("chown");
-                c.arg("-R").arg("postgres:postgres").arg(path);
-                c
-            },
-            "chown",
-        );
-    }
-}
-
-fn scratch_root() -> PathBuf {
-    let root = PathBuf::from("/tmp/opg-it");
-    fs::create_dir_all(&root).unwrap();
-    // The server user must be able to enter it.
-    run(
-        {
-            let mut c = Command::new("chmod");
-            c.arg("755").arg(&root);
-            c
-        },
-        "chmod",
-    );
-    root
-}
-
-static NEXT_DIR: AtomicUsize = AtomicUsize::new(0);
-
-fn fresh_dir(tag: &str) -> PathBuf {
-    let dir = scratch_root().join(format!("{tag}{}-{}", std::process::id(), NEXT_DIR.fetch_add(1, Ordering::SeqCst)));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).unwrap();
-    chown_to_server_user(&dir);
-    dir
-}
-
-/// One initdb per test process; every cluster starts from a copy of it.
-fn template_cluster() -> &'static PathBuf {
-    static TEMPLATE: OnceLock<PathBuf> = OnceLock::new();
-    TEMPLATE.get_or_init(|| {
-        assert!(
-            pg_libdir().join("outbox_pg.so").exists(),
-            "outbox_pg is not installed into {}; run scripts/test.sh (it installs it before these tests)",
-            pg_libdir().display()
-        );
-        let dir = fresh_dir("tpl");
-        let data = dir.join("data");
-        let mut initdb = as_server_user(&pg_bindir().join("initdb"));
-        initdb.args(["-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C", "--no-sync", "-D"]).arg(&data);
-        run(initdb, "initdb");
-        data
-    })
-}
-
-/// A private PostgreSQL cluster.
-pub struct Cluster {
-    pub dir: PathBuf,
-    pub data: PathBuf,
-    pub port: u16,
-}
-
-impl Cluster {
-    /// A cluster that preloads outbox_pg and relays every database with the extension to `redis_port`.
-    pub fn start(redis_port: u16, extra: &[&str]) -> Cluster {
-        let mut conf = vec![
-            "shared_preload_libraries = 'outbox_pg'".to_string(),
-            format!("outbox.redis_url = 'redis://127.0.0.1:{redis_port}'"),
-            "outbox.redis_timeout = '2s'".to_string(),
-        ];
-        conf.extend(extra.iter().map(|s| s.to_string()));
-        Cluster::start_with(&conf)
-    }
-
-    /// A cluster with exactly these settings (beyond port and sockets).
-    pub fn start_with(settings: &[String]) -> Cluster {
-        let dir = fresh_dir("pg");
-        let data = dir.join("data");
-        let mut copy = as_server_user(Path::new("/bin/cp"));
-        copy.arg("-a").arg(template_cluster()).arg(&data);
-        run(copy, "copy template cluster");
-        let port = free_port();
-        let mut conf = format!(
-            "\n# outbox_pg tests\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{}'\n\
-             fsync = off\nmax_worker_processes = 16\nlog_min_messages = info\n",
-            dir.display()
-        );
-        for s in settings {
-            conf.push_str(s);
-            conf.push('\n');
+/// Every file named `outbox_pg*` under `dir`, in subdirectories too (a `cargo pgrx package`
+/// directory nests them as they are installed).
+pub fn extension_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(next) = stack.pop() {
+        for entry in fs::read_dir(&next).unwrap_or_else(|e| panic!("read {}: {e}", next.display())) {
+            let path = entry.unwrap_or_else(|e| panic!("read {}: {e}", next.display())).path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if path.file_name().is_some_and(|name| name.to_string_lossy().starts_with("outbox_pg")) {
+                found.push(path);
+            }
         }
-        let conf_path = data.join("postgresql.conf");
-        let mut existing = fs::read_to_string(&conf_path).unwrap();
-        existing.push_str(&conf);
-        fs::write(&conf_path, existing).unwrap();
-        chown_to_server_user(&conf_path);
-        let cluster = Cluster { dir, data, port };
-        cluster.pg_ctl_start();
-        cluster
     }
+    found
+}
 
-    pub fn log_path(&self) -> PathBuf {
-        self.dir.join("server.log")
-    }
+/// outbox_pg's files in an installation's directories, swapped for other ones during a test (the
+/// previous release, another major's build) and put back when dropped, however the test ends.
+/// Each file is written beside its target and renamed over it: a running server keeps the
+/// library it mapped.
+pub struct SwappedExtension {
+    libdir: PathBuf,
+    extdir: PathBuf,
+    backup: PathBuf,
+}
 
-    /// The server log so far.
-    pub fn log(&self) -> String {
-        fs::read_to_string(self.log_path()).unwrap_or_default()
-    }
-
-    pub fn pg_ctl_start(&self) {
-        let mut cmd = as_server_user(&pg_bindir().join("pg_ctl"));
-        cmd.arg("-D").arg(&self.data).arg("-l").arg(self.log_path()).args(["-w", "-t", "60", "start"]);
-        cmd.stdout(Stdio::null());
-        run(cmd, "pg_ctl start");
-    }
-
-    /// Stops the server (`fast` or `immediate`); pg_ctl fails if it does not stop within 60 s.
-    pub fn pg_ctl_stop(&self, mode: &str) {
-        let mut cmd = as_server_user(&pg_bindir().join("pg_ctl"));
-        cmd.arg("-D").arg(&self.data).args(["-w", "-t", "60", "-m", mode, "stop"]);
-        run(cmd, "pg_ctl stop");
-    }
-
-    pub fn connect_to(&self, database: &str) -> postgres::Client {
-        postgres::Client::connect(
-            &format!("host=127.0.0.1 port={} user=postgres dbname={database} connect_timeout=10", self.port),
-            postgres::NoTls,
-        )
-        .unwrap_or_else(|e| panic!("connect to {database}: {e}\n--- server log ---\n{}", self.log()))
-    }
-
-    pub fn connect(&self) -> postgres::Client {
-        self.connect_to("postgres")
-    }
-
-    /// Connects, retrying while the server restarts (e.g. after a crash).
-    pub fn connect_eventually(&self) -> postgres::Client {
-        wait_for(DEADLINE, "the server to accept connections", || {
-            postgres::Client::connect(
-                &format!("host=127.0.0.1 port={} user=postgres dbname=postgres connect_timeout=5", self.port),
-                postgres::NoTls,
-            )
-            .ok()
-        })
-    }
-
-    /// Applies settings with ALTER SYSTEM and reloads.
-    pub fn set(&self, client: &mut postgres::Client, settings: &[(&str, &str)]) {
-        for (name, value) in settings {
-            client.batch_execute(&format!("ALTER SYSTEM SET {name} = '{value}'")).unwrap();
+impl SwappedExtension {
+    /// Saves the extension's files installed in `install` into `backup`, a directory of their
+    /// own.
+    pub fn save(install: &PgInstall, backup: PathBuf) -> SwappedExtension {
+        let swapped =
+            SwappedExtension { libdir: install.pkglibdir().to_path_buf(), extdir: install.extension_dir(), backup };
+        let _ = fs::remove_dir_all(&swapped.backup);
+        fs::create_dir_all(&swapped.backup).unwrap_or_else(|e| panic!("create {}: {e}", swapped.backup.display()));
+        for dir in [&swapped.libdir, &swapped.extdir] {
+            for path in extension_files(dir) {
+                let saved = swapped.backup.join(path.file_name().unwrap_or_default());
+                fs::copy(&path, &saved)
+                    .unwrap_or_else(|e| panic!("save {} as {}: {e}", path.display(), saved.display()));
+            }
         }
-        client.batch_execute("SELECT pg_reload_conf()").unwrap();
+        swapped
     }
 
-    /// Waits until the relay of the database `client` is connected to runs and returns its pid.
-    pub fn relay_pid(&self, client: &mut postgres::Client) -> i32 {
-        wait_for(DEADLINE, "the relay worker to run", || {
-            client
-                .query_opt(
-                    "SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay' AND datname = current_database()",
-                    &[],
-                )
-                .ok()
-                .flatten()
-                .map(|row| row.get::<_, i32>(0))
-        })
+    /// Whether the library was installed when the files were saved.
+    pub fn had_library(&self) -> bool {
+        self.backup.join("outbox_pg.so").exists()
+    }
+
+    /// Replaces the installed files by those under `from` (a `cargo pgrx package` directory).
+    pub fn install(&self, from: &Path) {
+        for path in extension_files(&self.extdir) {
+            fs::remove_file(&path).unwrap_or_else(|e| panic!("remove {}: {e}", path.display()));
+        }
+        for path in extension_files(from) {
+            let name = path.file_name().unwrap_or_default().to_owned();
+            let dir = if name == "outbox_pg.so" { &self.libdir } else { &self.extdir };
+            let temporary = dir.join(format!(".{}.outbox-test", name.to_string_lossy()));
+            fs::copy(&path, &temporary)
+                .unwrap_or_else(|e| panic!("copy {} into {}: {e}", path.display(), dir.display()));
+            fs::rename(&temporary, dir.join(&name)).unwrap_or_else(|e| panic!("rename into {}: {e}", dir.display()));
+        }
+    }
+
+    /// Puts back the files that were saved (and no library if none was).
+    pub fn restore(&self) {
+        if !self.had_library() {
+            let _ = fs::remove_file(self.libdir.join("outbox_pg.so"));
+        }
+        self.install(&self.backup);
     }
 }
 
-impl Drop for Cluster {
+impl Drop for SwappedExtension {
     fn drop(&mut self) {
-        let mut cmd = as_server_user(&pg_bindir().join("pg_ctl"));
-        cmd.arg("-D").arg(&self.data).args(["-w", "-t", "30", "-m", "immediate", "stop"]);
-        cmd.stdout(Stdio::null()).stderr(Stdio::null());
-        let _ = cmd.status();
-        if !std::thread::panicking() {
-            let _ = fs::remove_dir_all(&self.dir);
-        } else {
-            eprintln!("--- server log of failed test ({}) ---\n{}", self.dir.display(), self.log());
-        }
-    }
-}
-
-/// A private redis-server on a loopback port, killable and restartable on the same port.
-pub struct Redis {
-    pub port: u16,
-    dir: PathBuf,
-    child: Option<Child>,
-    extra: Vec<String>,
-}
-
-impl Redis {
-    pub fn start() -> Redis {
-        Redis::start_with(&[])
-    }
-
-    pub fn start_with(extra: &[&str]) -> Redis {
-        let dir = fresh_dir("rd");
-        let mut redis =
-            Redis { port: free_port(), dir, child: None, extra: extra.iter().map(|s| s.to_string()).collect() };
-        redis.restart();
-        redis
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the server (again) on its port and waits until it answers.
-    pub fn restart(&mut self) {
-        assert!(self.child.is_none(), "redis-server is already running");
-        let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(&self.dir)
-            .arg("--logfile")
-            .arg(self.dir.join("redis.log"))
-            .args(&self.extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        self.child = Some(cmd.spawn().expect("redis-server (apt-get install redis-server)"));
-        let port = self.port;
-        let password = self.password();
-        wait_for(DEADLINE, "redis-server to answer PING", || {
-            let url = match &password {
-                Some(pw) => format!("redis://:{}@127.0.0.1:{port}", percent_encoded(pw)),
-                None => format!("redis://127.0.0.1:{port}"),
-            };
-            let mut con = redis::Client::open(url).ok()?.get_connection_with_timeout(Duration::from_secs(1)).ok()?;
-            redis::cmd("PING").query::<String>(&mut con).ok()
-        });
-    }
-
-    fn password(&self) -> Option<String> {
-        self.extra.iter().position(|a| a == "--requirepass").map(|i| self.extra[i + 1].clone())
-    }
-
-    /// The server's log so far.
-    pub fn log(&self) -> String {
-        fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default()
-    }
-
-    pub fn is_running(&self) -> bool {
-        self.child.is_some()
-    }
-
-    /// Kills the server (SIGKILL) and waits for it to be gone.
-    pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    pub fn connection(&self) -> redis::Connection {
-        let url = match self.password() {
-            Some(pw) => format!("redis://:{}@127.0.0.1:{}", percent_encoded(&pw), self.port),
-            None => self.url(),
-        };
-        redis::Client::open(url).unwrap().get_connection_with_timeout(Duration::from_secs(5)).unwrap()
-    }
-
-    pub fn xlen(&self, stream: &str) -> usize {
-        redis::cmd("XLEN").arg(stream).query(&mut self.connection()).unwrap()
-    }
-
-    /// Every entry of `stream`, oldest first, as field maps.
-    pub fn entries(&self, stream: &str) -> Vec<HashMap<String, String>> {
-        let reply: Vec<(String, Vec<(String, String)>)> =
-            redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query(&mut self.connection()).unwrap();
-        reply.into_iter().map(|(_, fields)| fields.into_iter().collect()).collect()
-    }
-
-    /// Waits until `stream` holds at least `count` entries and returns them.
-    pub fn wait_for_entries(&self, stream: &str, count: usize) -> Vec<HashMap<String, String>> {
-        wait_for(DEADLINE, &format!("{count} entries in stream {stream}"), || {
-            let entries = self.entries(stream);
-            (entries.len() >= count).then_some(entries)
-        })
-    }
-}
-
-/// Every key holding a stream on the server `connection` talks to, sorted.
-pub fn stream_keys_on(connection: &mut redis::Connection) -> Vec<String> {
-    let mut keys = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, batch): (u64, Vec<String>) =
-            redis::cmd("SCAN").arg(cursor).arg("COUNT").arg(1000).arg("TYPE").arg("stream").query(connection).unwrap();
-        keys.extend(batch);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    keys.sort();
-    keys.dedup();
-    keys
-}
-
-/// Where the invariant checker reads the streams: one node, or a Sentinel set's master, or every
-/// master of a cluster.
-pub trait StreamStore {
-    /// Every key holding a stream, sorted.
-    fn stream_keys(&self) -> Vec<String>;
-    /// Every entry of `stream`, oldest first, as field maps.
-    fn entries(&self, stream: &str) -> Vec<HashMap<String, String>>;
-}
-
-impl StreamStore for Redis {
-    fn stream_keys(&self) -> Vec<String> {
-        Redis::stream_keys(self)
-    }
-
-    fn entries(&self, stream: &str) -> Vec<HashMap<String, String>> {
-        Redis::entries(self, stream)
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = fs::remove_dir_all(&self.dir);
+        self.restore();
     }
 }
 
@@ -422,9 +123,15 @@ pub struct Env {
 
 impl Env {
     pub fn start(extra: &[&str]) -> Env {
-        let redis = Redis::start();
+        Env::start_with_redis(&[], extra)
+    }
+
+    /// Like `start`, with extra redis-server arguments (e.g. `--appendonly yes`, so that a killed
+    /// Redis keeps what it acknowledged).
+    pub fn start_with_redis(redis_args: &[&str], extra: &[&str]) -> Env {
+        let redis = Redis::start_with(redis_args);
         let pg = Cluster::start(redis.port, extra);
-        pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+        pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap_or_else(|e| panic!("CREATE EXTENSION: {e}"));
         Env { redis, pg }
     }
 }
@@ -445,6 +152,42 @@ pub fn enqueue_to(
         .get(0)
 }
 
+/// Events in each settled state, where the upgrade and restore tests start: three published
+/// events of payment 1, and a failed event of refund 7 (its stream key `poisoned` is not a stream;
+/// the cluster must run with `outbox.max_attempts = 1`) with that aggregate's next event pending
+/// behind it.
+pub struct PublishedAndFailed {
+    pub published: Vec<String>,
+    pub poison: String,
+    pub behind_poison: String,
+}
+
+/// Enqueues [`PublishedAndFailed`]'s events and waits until each shows its state.
+pub fn publish_and_fail(client: &mut postgres::Client, redis: &Redis) -> PublishedAndFailed {
+    let published: Vec<String> = (0..3).map(|_| enqueue_to(client, "payment", "1", None)).collect();
+    redis.wait_for_entries("outbox:payment", 3);
+    redis.query::<()>(redis::cmd("SET").arg("poisoned").arg("not a stream"));
+    let poison = enqueue_to(client, "refund", "7", Some("poisoned"));
+    let behind_poison = enqueue_to(client, "refund", "7", None);
+    wait_for(DEADLINE, "the poison event to fail", || (status_of(client, &poison) == "failed").then_some(()));
+    for id in &published {
+        wait_for(DEADLINE, "the published events to show published", || {
+            (status_of(client, id) == "published").then_some(())
+        });
+    }
+    PublishedAndFailed { published, poison, behind_poison }
+}
+
+/// The entries of aggregate `aggregate_id` among `entries`, as (event_id, aggregate_seq), in stream
+/// order: what an upgrade must keep numbering on.
+pub fn seqs_of(entries: &[HashMap<String, String>], aggregate_id: &str) -> Vec<(String, String)> {
+    entries
+        .iter()
+        .filter(|e| e["aggregate_id"] == aggregate_id)
+        .map(|e| (e["event_id"].clone(), e["aggregate_seq"].clone()))
+        .collect()
+}
+
 /// The status outbox.messages gives an event.
 pub fn status_of(client: &mut postgres::Client, event_id: &str) -> String {
     client.query_one("SELECT status FROM outbox.messages WHERE event_id = $1::text::uuid", &[&event_id]).unwrap().get(0)
@@ -458,149 +201,6 @@ pub fn status_counts(client: &mut postgres::Client) -> HashMap<String, i64> {
         .into_iter()
         .map(|row| (row.get::<_, String>(0), row.get::<_, i64>(1)))
         .collect()
-}
-
-// -------------------------------------------------------------------------------------------------
-// Fault injection (tests/faults.rs): standbys, killing the relay, producers that record the fate of
-// every transaction, and the invariant checker that compares that record with PostgreSQL and Redis.
-// -------------------------------------------------------------------------------------------------
-
-/// Connects to database `postgres` on `port` once, without retrying or panicking.
-pub fn try_connect(port: u16) -> Result<postgres::Client, postgres::Error> {
-    postgres::Client::connect(
-        &format!("host=127.0.0.1 port={port} user=postgres dbname=postgres connect_timeout=5"),
-        postgres::NoTls,
-    )
-}
-
-impl Cluster {
-    /// Pids of this cluster's processes of `backend_type` (e.g. `outbox_pg relay`).
-    pub fn backend_pids(&self, client: &mut postgres::Client, backend_type: &str) -> Vec<i32> {
-        client
-            .query("SELECT pid FROM pg_stat_activity WHERE backend_type = $1 ORDER BY pid", &[&backend_type])
-            .unwrap()
-            .into_iter()
-            .map(|row| row.get(0))
-            .collect()
-    }
-
-    /// Sends SIGKILL to process `pid` (a backend or worker of this cluster). The postmaster then
-    /// resets the whole cluster: every connection is lost and crash recovery runs.
-    pub fn kill_9(&self, pid: i32) {
-        // SAFETY: kill(2) with a pid this test looked up in pg_stat_activity.
-        let rc = unsafe { libc::kill(pid, libc::SIGKILL) };
-        assert_eq!(rc, 0, "kill -9 {pid}: {}", std::io::Error::last_os_error());
-    }
-
-    /// A hot standby of this cluster, made with `pg_basebackup -R` (the primary's settings,
-    /// `postgresql.auto.conf` included, plus `primary_conninfo` and `standby.signal`), on its own
-    /// port and socket directory, started and accepting read-only connections.
-    pub fn standby(&self) -> Cluster {
-        let dir = fresh_dir("sb");
-        let data = dir.join("data");
-        let mut backup = as_server_user(&pg_bindir().join("pg_basebackup"));
-        backup.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"]).arg("-D").arg(&data).args([
-            "-R",
-            "-X",
-            "stream",
-            "-c",
-            "fast",
-            "--no-sync",
-        ]);
-        run(backup, "pg_basebackup");
-        let port = free_port();
-        // Appended, so these win over the primary's values in the copied postgresql.conf.
-        let conf_path = data.join("postgresql.conf");
-        let mut conf = fs::read_to_string(&conf_path).unwrap();
-        conf.push_str(&format!(
-            "\n# outbox_pg tests: standby\nport = {port}\nunix_socket_directories = '{}'\nhot_standby = on\n",
-            dir.display()
-        ));
-        fs::write(&conf_path, conf).unwrap();
-        chown_to_server_user(&conf_path);
-        let standby = Cluster { dir, data, port };
-        standby.pg_ctl_start();
-        standby
-    }
-
-    /// Stops the server (`smart`, `fast` or `immediate`), giving pg_ctl `timeout`; `Err` with
-    /// pg_ctl's output when the server did not stop in time (it may still be shutting down).
-    pub fn pg_ctl_stop_within(&self, mode: &str, timeout: Duration) -> Result<(), String> {
-        let mut cmd = as_server_user(&pg_bindir().join("pg_ctl"));
-        cmd.arg("-D").arg(&self.data).args(["-w", "-t", &timeout.as_secs().max(1).to_string(), "-m", mode, "stop"]);
-        let out = cmd.output().map_err(|e| format!("pg_ctl: {e}"))?;
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(text)
-        }
-    }
-
-    /// Whether the server is (still) in recovery, i.e. a standby.
-    pub fn in_recovery(&self, client: &mut postgres::Client) -> bool {
-        client.query_one("SELECT pg_is_in_recovery()", &[]).unwrap().get(0)
-    }
-
-    /// Promotes this standby (`pg_promote`, waiting) and checks that it accepts writes.
-    pub fn promote(&self) {
-        let mut client = self.connect_eventually();
-        let promoted: bool = client.query_one("SELECT pg_promote(true, 60)", &[]).unwrap().get(0);
-        assert!(promoted, "pg_promote did not finish within 60 s");
-        wait_for(DEADLINE, "the promoted server to leave recovery", || (!self.in_recovery(&mut client)).then_some(()));
-    }
-
-    /// Waits until `standby` has replayed all WAL this cluster has flushed so far.
-    pub fn wait_replayed_by(&self, standby: &Cluster) {
-        let mut primary = self.connect_eventually();
-        let target: String = primary.query_one("SELECT pg_current_wal_flush_lsn()::text", &[]).unwrap().get(0);
-        let mut client = standby.connect_eventually();
-        wait_for(DEADLINE, &format!("the standby to replay up to {target}"), || {
-            client
-                .query_one("SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn", &[&target])
-                .unwrap()
-                .get::<_, Option<bool>>(0)
-                .unwrap_or(false)
-                .then_some(())
-        });
-    }
-}
-
-impl Redis {
-    /// Runs one command on a fresh connection.
-    pub fn query<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd) -> T {
-        cmd.query(&mut self.connection()).unwrap_or_else(|e| panic!("redis command failed: {e}"))
-    }
-
-    /// Every key holding a stream.
-    pub fn stream_keys(&self) -> Vec<String> {
-        stream_keys_on(&mut self.connection())
-    }
-
-    /// Entries in all streams together.
-    pub fn total_entries(&self) -> usize {
-        self.stream_keys().iter().map(|key| self.xlen(key)).sum()
-    }
-
-    /// `INFO memory`'s `used_memory`, in bytes.
-    pub fn used_memory(&self) -> u64 {
-        let info: String = self.query(redis::cmd("INFO").arg("memory"));
-        info.lines()
-            .find_map(|line| line.strip_prefix("used_memory:"))
-            .and_then(|v| v.trim().parse().ok())
-            .expect("used_memory in INFO memory")
-    }
-}
-
-impl Env {
-    /// Like `start`, with extra redis-server arguments (e.g. `--appendonly yes`, so that a killed
-    /// Redis keeps what it acknowledged).
-    pub fn start_with_redis(redis_args: &[&str], extra: &[&str]) -> Env {
-        let redis = Redis::start_with(redis_args);
-        let pg = Cluster::start(redis.port, extra);
-        pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
-        Env { redis, pg }
-    }
 }
 
 /// A small deterministic PRNG (xorshift64*), so that workloads need no extra crate.
@@ -644,6 +244,12 @@ pub struct Ledger {
 }
 
 pub type SharedLedger = Arc<Mutex<Ledger>>;
+
+/// The relay's Redis user with the least privileges README's "Permissions" lists for one node
+/// (password `relay-pw`): XADD inside MULTI/EXEC, PING, and XINFO STREAM for the lost-entry check.
+/// A cluster adds `+wait`, `+cluster|slots` and `+asking`.
+pub const RELAY_ACL_USER: &[&str] =
+    &["relay", "on", ">relay-pw", "~outbox:*", "-@all", "+multi", "+exec", "+xadd", "+ping", "+xinfo|stream"];
 
 pub const ENQUEUE: &str = "SELECT outbox_enqueue($1, $2, $3, $4::text::jsonb, NULL, $5)::text";
 
@@ -873,7 +479,6 @@ fn run_transaction(
     }
 }
 
-/// Waits until the outbox has nothing pending or in flight.
 /// Waits until the relays have failed at least `rounds` more times (each failed round records its
 /// error with a new `outbox.stats.last_error_at`) and returns the latest error. Nothing is written
 /// per event when Redis fails as a whole, so this is how a test sees retries.
@@ -894,6 +499,7 @@ pub fn wait_for_failed_rounds(client: &mut postgres::Client, rounds: usize, what
     })
 }
 
+/// Waits until the outbox has nothing pending or in flight.
 pub fn wait_drained(client: &mut postgres::Client) {
     wait_for(DEADLINE, "outbox.stats to show nothing pending or publishing", || {
         let row = client.query_one("SELECT pending, publishing FROM outbox.stats", &[]).unwrap();
@@ -942,6 +548,20 @@ pub fn check_invariants(
     redis: &dyn StreamStore,
     ledger: &SharedLedger,
     expect: Expect,
+) -> Report {
+    check_invariants_beside(scenario, pg, redis, ledger, expect, None)
+}
+
+/// `check_invariants`, leaving out the streams whose keys start with `beside` (a replay's `into`
+/// stream, checked by its test). An entry's `replay` field (it is a replay, src/relay/replay.rs)
+/// is not one of the row's fields: the entry is compared without it.
+pub fn check_invariants_beside(
+    scenario: &str,
+    pg: &Cluster,
+    redis: &dyn StreamStore,
+    ledger: &SharedLedger,
+    expect: Expect,
+    beside: Option<&str>,
 ) -> Report {
     let mut client = pg.connect_eventually();
     let mut ledger = ledger.lock().unwrap();
@@ -1028,8 +648,12 @@ pub fn check_invariants(
     let mut seq_of: HashMap<String, String> = HashMap::new();
     let mut last_seq: HashMap<(String, String, String), (i64, i64)> = HashMap::new();
     for stream in redis.stream_keys() {
+        if beside.is_some_and(|prefix| stream.starts_with(prefix)) {
+            continue;
+        }
         for (position, mut entry) in redis.entries(&stream).into_iter().enumerate() {
             report.entries += 1;
+            entry.remove("replay");
             let event_id = entry.get("event_id").cloned().unwrap_or_default();
             assert!(!rolled_back.contains(&event_id), "[{scenario}] rolled-back event {event_id} reached {stream}");
             let Some((want_stream, fields)) = expected.get(&event_id) else {

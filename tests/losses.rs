@@ -1,0 +1,192 @@
+//! Loss detection (src/sink/marks.rs, src/relay/losses.rs) in the cases a review found it wrong:
+//! a stream deleted and written to again before any check had a baseline, the relay moved to
+//! another database of the same Redis, and a loss repair with two relays. Real PostgreSQL and
+//! redis-server; every check is forced by a new connection, not waited for.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{enqueue_to, wait_for, Env, DEADLINE};
+
+fn losses(client: &mut postgres::Client, stream: &str) -> i64 {
+    client.query_one("SELECT count(*) FROM outbox.redis_losses WHERE stream = $1", &[&stream]).unwrap().get(0)
+}
+
+/// Entries of `stream` in Redis database `db`.
+fn xlen(env: &Env, db: i64, stream: &str) -> i64 {
+    let mut connection = env.redis.connection();
+    redis::cmd("SELECT").arg(db).query::<()>(&mut connection).unwrap();
+    redis::cmd("XLEN").arg(stream).query(&mut connection).unwrap()
+}
+
+/// The relay's connections are closed: its next write checks every mark first.
+fn kill_relay_connections(env: &Env) {
+    let _: i64 = env.redis.query(redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal"));
+}
+
+/// A stream first written after the relay's last check, emptied by FLUSHALL and written to again
+/// before the next check: the check finds the first entry written neither in the stream nor
+/// trimmed nor deleted with XDEL, and records the loss once; its stored mark goes, so that a
+/// relay started later does not find it again.
+#[test]
+fn a_stream_deleted_and_written_to_again_before_its_first_check_is_a_loss() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    // The relay connects (and checks: nothing yet) for the first event, then writes omega's.
+    enqueue_to(&mut client, "alpha", "1", None);
+    env.redis.wait_for_entries("outbox:alpha", 1);
+    for _ in 0..3 {
+        enqueue_to(&mut client, "omega", "1", None);
+    }
+    env.redis.wait_for_entries("outbox:omega", 3);
+    let _: () = env.redis.query(&redis::cmd("FLUSHALL"));
+    enqueue_to(&mut client, "omega", "1", None);
+    env.redis.wait_for_entries("outbox:omega", 1);
+    assert_eq!(losses(&mut client, "outbox:omega"), 0, "no check ran yet");
+    kill_relay_connections(&env);
+    enqueue_to(&mut client, "alpha", "1", None);
+    wait_for(DEADLINE, "the loss of outbox:omega to be recorded", || {
+        (losses(&mut client, "outbox:omega") == 1).then_some(())
+    });
+    assert!(env.pg.log().contains("Redis lost entries of stream \"outbox:omega\""), "{}", env.pg.log());
+    // alpha, checked before omega's first write, is gone: lost too.
+    wait_for(DEADLINE, "the loss of outbox:alpha", || (losses(&mut client, "outbox:alpha") == 1).then_some(()));
+    // The stored mark at or below what was lost is gone; a relay started anew finds nothing more.
+    let expected: String = client
+        .query_one("SELECT expected_id FROM outbox.redis_losses WHERE stream = 'outbox:omega'", &[])
+        .unwrap()
+        .get(0);
+    let (ms, seq) = expected.split_once('-').unwrap();
+    let (ms, seq): (i64, i64) = (ms.parse().unwrap(), seq.parse().unwrap());
+    let stale: i64 = client
+        .query_one(
+            "SELECT count(*) FROM outbox.stream_marks WHERE stream = 'outbox:omega' AND (last_ms, last_seq) <= ($1, $2)",
+            &[&ms, &seq],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(stale, 0, "the lost mark is still stored");
+    let relay = env.pg.relay_pid(&mut client);
+    client.execute("SELECT pg_terminate_backend($1)", &[&relay]).unwrap();
+    wait_for(DEADLINE, "a new relay", || {
+        env.pg.backend_pids(&mut client, "outbox_pg relay").first().copied().filter(|&pid| pid != relay)
+    });
+    for n in 0..3 {
+        enqueue_to(&mut client, "omega", "1", None);
+        env.redis.wait_for_entries("outbox:omega", 2 + n);
+    }
+    assert_eq!(client.query_one("SELECT count(*) FROM outbox.redis_losses", &[]).unwrap().get::<_, i64>(0), 2);
+}
+
+/// outbox.redis_url moved from database 0 to database 1 of the same server: the marks of database
+/// 0 are not checked against database 1, after a reload or a relay restart.
+#[test]
+fn moving_to_another_database_of_the_same_redis_is_no_loss() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'", "outbox.replay_on_loss = on"]);
+    let mut client = env.pg.connect();
+    for _ in 0..4 {
+        enqueue_to(&mut client, "fpdb", "1", None);
+    }
+    env.redis.wait_for_entries("outbox:fpdb", 4);
+    wait_for(DEADLINE, "the relay to store its mark of outbox:fpdb", || {
+        let stored: i64 = client
+            .query_one("SELECT count(*) FROM outbox.stream_marks WHERE stream = 'outbox:fpdb'", &[])
+            .unwrap()
+            .get(0);
+        (stored == 1).then_some(())
+    });
+    env.pg.set(&mut client, &[("outbox.redis_url", &format!("{}/1", env.redis.url()))]);
+    let published_to_db1 = |client: &mut postgres::Client, n: i64| {
+        enqueue_to(client, "other", "1", None);
+        wait_for(DEADLINE, "the event in database 1", || (xlen(&env, 1, "outbox:other") == n).then_some(()));
+    };
+    published_to_db1(&mut client, 1);
+    let relay = env.pg.relay_pid(&mut client);
+    client.execute("SELECT pg_terminate_backend($1)", &[&relay]).unwrap();
+    wait_for(DEADLINE, "a new relay", || {
+        env.pg.backend_pids(&mut client, "outbox_pg relay").first().copied().filter(|&pid| pid != relay)
+    });
+    // The new relay checks its marks before its first write, and reports after that round.
+    for n in 2..=4 {
+        published_to_db1(&mut client, n);
+    }
+    assert_eq!(client.query_one("SELECT count(*) FROM outbox.redis_losses", &[]).unwrap().get::<_, i64>(0), 0);
+    assert_eq!(xlen(&env, 1, "outbox:fpdb"), 0, "nothing replayed into database 1");
+    // Database 1's marks are stored apart (once a second).
+    let targets: Vec<String> = wait_for(DEADLINE, "the marks of database 1", || {
+        let targets: Vec<String> = client
+            .query("SELECT DISTINCT target FROM outbox.stream_marks ORDER BY 1", &[])
+            .unwrap()
+            .into_iter()
+            .map(|row| row.get(0))
+            .collect();
+        (targets.len() == 2).then_some(targets)
+    });
+    assert!(targets[1].ends_with(" db 1") && !targets[0].contains(" db "), "{targets:?}");
+}
+
+/// With two relays and outbox.replay_on_loss, no relay runs a live round while a loss repair
+/// runs: here one left running across a restart of PostgreSQL (shared memory starts anew),
+/// throttled to rounds of 1,000 events a second.
+#[test]
+fn no_relay_runs_live_rounds_while_a_loss_repair_runs() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'", "outbox.replay_on_loss = on", "outbox.workers = 2"]);
+    let mut client = env.pg.connect();
+    let since: std::time::SystemTime = client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
+    client
+        .batch_execute("SELECT outbox_enqueue('hist', (i % 8)::text, 'e', '{}') FROM generate_series(1, 10000) i")
+        .unwrap();
+    let xlen = |stream: &str| -> i64 { env.redis.query(redis::cmd("XLEN").arg(stream)) };
+    wait_for(Duration::from_secs(120), "10,000 entries", || (xlen("outbox:hist") == 10_000).then_some(()));
+    // Journaled: the rounds are finished.
+    common::wait_drained(&mut client);
+    // The relays paused, a loss being repaired, as a relay would record it; then PostgreSQL
+    // restarts with the relays on.
+    env.pg.set(&mut client, &[("outbox.enabled", "off")]);
+    client
+        .execute(
+            "WITH r AS (SELECT outbox.replay(since => $1, streams => ARRAY['outbox:hist'], max_rate => 1000) AS id)
+             INSERT INTO outbox.redis_losses (stream, expected_id, expected_at, found_id, replay_id)
+             SELECT 'outbox:hist', '1-0', now(), NULL, id FROM r",
+            &[&since],
+        )
+        .unwrap();
+    let journaled: i64 = client.query_one("SELECT journaled FROM outbox.replay_requests", &[]).unwrap().get(0);
+    assert_eq!(journaled, 10_000);
+    client.batch_execute("ALTER SYSTEM SET outbox.enabled = on").unwrap();
+    env.pg.pg_ctl_stop("fast");
+    env.pg.pg_ctl_start();
+    let mut client = env.pg.connect_eventually();
+    for n in 0..8 {
+        enqueue_to(&mut client, "live", &n.to_string(), None);
+    }
+    let replay = |client: &mut postgres::Client| -> (String, i64) {
+        let row = client.query_one("SELECT state, replayed FROM outbox.replays ORDER BY id DESC LIMIT 1", &[]).unwrap();
+        (row.get(0), row.get(1))
+    };
+    let (_, before) = replay(&mut client);
+    wait_for(Duration::from_secs(60), "two relays", || {
+        (env.pg.backend_pids(&mut client, "outbox_pg relay").len() == 2).then_some(())
+    });
+    // A second later, a round more: the relays went round their loops meanwhile.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while replay(&mut client).1 < before + 1000 {
+        if std::time::Instant::now() > deadline {
+            let row = client.query_one("SELECT row_to_json(r)::text FROM outbox.replays r", &[]).unwrap();
+            let stats = client.query_one("SELECT row_to_json(s)::text FROM outbox.stats s", &[]).unwrap();
+            panic!(
+                "no progress from {before}: {} / {} / live {}",
+                row.get::<_, String>(0),
+                stats.get::<_, String>(0),
+                xlen("outbox:live")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let live = xlen("outbox:live");
+    let (state, replayed) = replay(&mut client);
+    assert_eq!(live, 0, "a live round ran while the repair ran ({state}, {replayed} replayed)");
+    client.execute("SELECT outbox.cancel_replay(max(id)) FROM outbox.replays", &[]).unwrap();
+    env.redis.wait_for_entries("outbox:live", 8);
+}
