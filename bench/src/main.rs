@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+mod scale;
+
 type Error = Box<dyn std::error::Error + Send + Sync>;
 type Result<T> = std::result::Result<T, Error>;
 
@@ -151,6 +153,16 @@ struct Latency {
     seconds: u32,
     samples_ms: Vec<f64>,
     missing: usize,
+    /// How long the producers took to commit everything (longer than `seconds` when the machine
+    /// cannot commit `rate` transactions a second).
+    elapsed_s: f64,
+}
+
+impl Latency {
+    /// The rate the producers reached.
+    fn achieved_rate(&self) -> f64 {
+        (self.samples_ms.len() + self.missing) as f64 / self.elapsed_s
+    }
 }
 
 fn latency(args: &Args, rate: u32, seconds: u32) -> Result<Latency> {
@@ -230,6 +242,7 @@ fn latency(args: &Args, rate: u32, seconds: u32) -> Result<Latency> {
     for handle in handles {
         handle.join().map_err(|_| "producer panicked")??;
     }
+    let elapsed_s = started.elapsed().as_secs_f64();
     let commits = std::mem::take(&mut *commits.lock().map_err(|_| "poisoned")?);
     let _ = wait_until(Duration::from_secs(30), || Ok(arrivals.lock().map_err(|_| "poisoned")?.len() >= commits.len()));
     stop.store(true, Ordering::SeqCst);
@@ -245,7 +258,7 @@ fn latency(args: &Args, rate: u32, seconds: u32) -> Result<Latency> {
         }
     }
     samples.sort_by(|a, b| a.total_cmp(b));
-    Ok(Latency { rate, seconds, samples_ms: samples, missing })
+    Ok(Latency { rate, seconds, samples_ms: samples, missing, elapsed_s })
 }
 
 /// An amount in cents as text, converted to NUMERIC by the server.
@@ -282,18 +295,18 @@ const BACKLOG_PAYLOAD: &str = "jsonb_build_object('payment_id', i, 'amount', '12
 
 /// One transaction's worth of a backlog for outbox_pg: events `first..=last` of `aggregates`
 /// aggregates of type `aggregate_type`.
-fn enqueue_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64) -> String {
+fn enqueue_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64, payload: &str) -> String {
     format!(
-        "SELECT outbox_enqueue('{aggregate_type}', (i % {aggregates})::bigint, 'payment.created', {BACKLOG_PAYLOAD})
+        "SELECT outbox_enqueue('{aggregate_type}', (i % {aggregates})::bigint, 'payment.created', {payload})
            FROM generate_series({first}, {last}) AS i"
     )
 }
 
 /// The same events as `enqueue_sql`, as plain rows of the seeds' outbox table.
-fn seed_insert_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64) -> String {
+fn seed_insert_sql(aggregate_type: &str, aggregates: i64, first: i64, last: i64, payload: &str) -> String {
     format!(
         "INSERT INTO bench_seed_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
-         SELECT gen_random_uuid(), '{aggregate_type}', (i % {aggregates})::text, 'payment.created', {BACKLOG_PAYLOAD}
+         SELECT gen_random_uuid(), '{aggregate_type}', (i % {aggregates})::text, 'payment.created', {payload}
            FROM generate_series({first}, {last}) AS i"
     )
 }
@@ -311,7 +324,9 @@ fn pause_and_empty_outbox(admin: &mut postgres::Client) -> Result<()> {
     })?;
     // Two transactions: holding the log's tables locked while waiting for a shard row that a
     // relay's housekeeping has updated (and that waits to read the log) would deadlock.
-    admin.batch_execute(&format!("TRUNCATE {OUTBOX_TABLES}, outbox.ticks"))?;
+    admin.batch_execute(&format!(
+        "TRUNCATE {OUTBOX_TABLES}, outbox.ticks, outbox.journal_0, outbox.journal_1, outbox.journal_2"
+    ))?;
     admin.batch_execute("UPDATE outbox.shards SET cursor = pg_current_snapshot(), cursor_at = now()")?;
     Ok(())
 }
@@ -330,7 +345,13 @@ fn purge_everything(admin: &mut postgres::Client) -> Result<()> {
     })
 }
 
-fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
+fn prepare_backlog(
+    args: &Args,
+    admin: &mut postgres::Client,
+    events: i64,
+    aggregates: i64,
+    payload: &str,
+) -> Result<()> {
     pause_and_empty_outbox(admin)?;
     admin.batch_execute(&format!("VACUUM ANALYZE {OUTBOX_TABLES}"))?;
     redis::cmd("DEL").arg(DRAIN_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
@@ -339,7 +360,7 @@ fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggre
     // enqueues many events for one aggregate rewrites its counter row each time, and each call
     // walks the versions the transaction made before (quadratic; see docs/performance.md).
     for first in (1..=events).step_by(1000) {
-        admin.batch_execute(&enqueue_sql("bench_drain", aggregates, first, (first + 999).min(events)))?;
+        admin.batch_execute(&enqueue_sql("bench_drain", aggregates, first, (first + 999).min(events), payload))?;
     }
     admin.batch_execute(&format!("VACUUM ANALYZE {OUTBOX_TABLES}"))?;
     Ok(())
@@ -347,11 +368,17 @@ fn prepare_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggre
 
 /// The same backlog as `prepare_backlog` (same events, same transactions of 1,000), in the seeds'
 /// table for the external relay.
-fn prepare_seed_backlog(args: &Args, admin: &mut postgres::Client, events: i64, aggregates: i64) -> Result<()> {
+fn prepare_seed_backlog(
+    args: &Args,
+    admin: &mut postgres::Client,
+    events: i64,
+    aggregates: i64,
+    payload: &str,
+) -> Result<()> {
     admin.batch_execute("TRUNCATE bench_seed_outbox")?;
     redis::cmd("DEL").arg(DRAIN_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
     for first in (1..=events).step_by(1000) {
-        admin.batch_execute(&seed_insert_sql("bench_drain", aggregates, first, (first + 999).min(events)))?;
+        admin.batch_execute(&seed_insert_sql("bench_drain", aggregates, first, (first + 999).min(events), payload))?;
     }
     admin.batch_execute("VACUUM ANALYZE bench_seed_outbox")?;
     Ok(())
@@ -413,8 +440,13 @@ struct Drain {
 }
 
 fn drain_in_server(args: &Args, events: i64, aggregates: i64, workers: usize) -> Result<Drain> {
+    drain_in_server_with(args, events, aggregates, workers, BACKLOG_PAYLOAD)
+}
+
+/// `drain_in_server` with the payload expression `payload` (of `i`, the event's number).
+fn drain_in_server_with(args: &Args, events: i64, aggregates: i64, workers: usize, payload: &str) -> Result<Drain> {
     let mut admin = pg(&args.pg)?;
-    prepare_backlog(args, &mut admin, events, aggregates)?;
+    prepare_backlog(args, &mut admin, events, aggregates, payload)?;
     configure(&mut admin, &[("outbox.workers", &workers.to_string()), ("outbox.batch_size", &args.batch.to_string())])?;
     let redis_before = redis_cpu_seconds(&args.redis)?;
     let drain = enable_and_measure(&mut admin, workers, events, || wait_drained(args, DRAIN_STREAM, events))?;
@@ -565,8 +597,13 @@ fn finish_baseline(child: std::process::Child) -> Result<BaselineReport> {
 }
 
 fn drain_baseline(args: &Args, events: i64, aggregates: i64, processes: usize) -> Result<Drain> {
+    drain_baseline_with(args, events, aggregates, processes, BACKLOG_PAYLOAD)
+}
+
+/// `drain_baseline` with the payload expression `payload`.
+fn drain_baseline_with(args: &Args, events: i64, aggregates: i64, processes: usize, payload: &str) -> Result<Drain> {
     let mut admin = pg(&args.pg)?;
-    prepare_seed_backlog(args, &mut admin, events, aggregates)?;
+    prepare_seed_backlog(args, &mut admin, events, aggregates, payload)?;
     let redis_before = redis_cpu_seconds(&args.redis)?;
     let started = Instant::now();
     let children = (0..processes).map(|_| spawn_baseline(args)).collect::<Result<Vec<_>>>()?;
@@ -819,7 +856,7 @@ fn wal_per_event(args: &Args, events: i64, aggregates: i64, per_transaction: i64
         redis::cmd("DEL").arg(WAL_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
         let outbox = wal_path(
             &mut admin,
-            |admin| batches(admin, &|first, last| enqueue_sql("bench_wal", aggregates, first, last)),
+            |admin| batches(admin, &|first, last| enqueue_sql("bench_wal", aggregates, first, last, BACKLOG_PAYLOAD)),
             |admin| {
                 configure(admin, &[("outbox.enabled", "on")])?;
                 wait_drained(args, WAL_STREAM, events)?;
@@ -833,7 +870,9 @@ fn wal_per_event(args: &Args, events: i64, aggregates: i64, per_transaction: i64
         redis::cmd("DEL").arg(WAL_STREAM).query::<()>(&mut redis_connection(&args.redis)?)?;
         let seeds = wal_path(
             &mut admin,
-            |admin| batches(admin, &|first, last| seed_insert_sql("bench_wal", aggregates, first, last)),
+            |admin| {
+                batches(admin, &|first, last| seed_insert_sql("bench_wal", aggregates, first, last, BACKLOG_PAYLOAD))
+            },
             |_| {
                 let report = finish_baseline(spawn_baseline(args)?)?;
                 if report.events != events as u64 {
@@ -973,7 +1012,7 @@ fn sustained(args: &Args) -> Result<()> {
     let command = command_line(args);
     let mut md = format!(
         "# Sustained run: {} events/s for {} minutes\n\nMade with `{command}`.\n\n{}, {retention}.\n\n\
-         | minute | events | achieved events/s | p50 | p99 | max | outbox size (log + failure path) | dead tuples | pending at end |\n|---|---|---|---|---|---|---|---|---|\n",
+         | minute | events | achieved events/s | p50 | p99 | max | outbox size (log, journal, failure path) | dead tuples in the log | pending at end | relay RssAnon |\n|---|---|---|---|---|---|---|---|---|---|\n",
         args.rate,
         args.minutes,
         machine_facts(&mut admin)?
@@ -987,21 +1026,24 @@ fn sustained(args: &Args) -> Result<()> {
         let achieved = window.samples_ms.len() as f64 / window_started.elapsed().as_secs_f64();
         admin.batch_execute("SELECT pg_stat_clear_snapshot()")?;
         let row = admin.query_one(
-            "SELECT pg_size_pretty((SELECT sum(pg_total_relation_size(t::regclass)) FROM unnest(ARRAY['outbox.events_0', 'outbox.events_1', 'outbox.events_2', 'outbox.held']) t)::bigint),
+            "SELECT pg_size_pretty((SELECT sum(pg_total_relation_size(t::regclass)) FROM unnest(ARRAY['outbox.events_0', 'outbox.events_1', 'outbox.events_2', 'outbox.held', 'outbox.journal_0', 'outbox.journal_1', 'outbox.journal_2']) t)::bigint),
                     (SELECT sum(pg_stat_get_dead_tuples(t::regclass)) FROM unnest(ARRAY['outbox.events_0', 'outbox.events_1', 'outbox.events_2', 'outbox.held']) t)::bigint,
                     (SELECT pending FROM outbox.stats)",
             &[],
         )?;
         let (size, dead, pending): (String, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        let relay_rss_kb = relay_pids(&mut admin)?.first().map_or(0, |&pid| outbox_testkit::rss_kb(pid));
         let (p50, p99) = (percentile(&window.samples_ms, 50.0), percentile(&window.samples_ms, 99.0));
         let max = window.samples_ms.last().copied().unwrap_or(f64::NAN);
-        eprintln!("minute {minute}: {achieved:.0} events/s, p50 {p50:.2} ms, p99 {p99:.2} ms, size {size}, dead {dead}, pending {pending}");
+        eprintln!("minute {minute}: {achieved:.0} events/s, p50 {p50:.2} ms, p99 {p99:.2} ms, size {size}, dead {dead}, pending {pending}, relay {relay_rss_kb} kB");
         md.push_str(&format!(
-            "| {minute} | {} | {achieved:.0} | {p50:.2} ms | {p99:.2} ms | {max:.2} ms | {size} | {dead} | {pending} |\n",
-            window.samples_ms.len()
+            "| {minute} | {} | {achieved:.0} | {p50:.2} ms | {p99:.2} ms | {max:.2} ms | {size} | {dead} | {pending} | {} kB |\n",
+            window.samples_ms.len(),
+            grouped(relay_rss_kb as f64)
         ));
         rows.push(serde_json::json!({"minute": minute, "events": window.samples_ms.len(), "achieved_per_s": achieved, "missing": window.missing,
-                                     "p50_ms": p50, "p99_ms": p99, "max_ms": max, "size": size, "dead_tuples": dead}));
+                                     "p50_ms": p50, "p99_ms": p99, "max_ms": max, "size": size, "dead_tuples": dead,
+                                     "pending_at_end": pending, "relay_rss_anon_kb": relay_rss_kb}));
     }
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(format!("{}/sustained.md", args.out), md)?;
@@ -1115,11 +1157,19 @@ struct Results {
     tps_off: Tps,
     tps_on: Tps,
     idle: Idle,
+    /// Latency at 10,000 events/s (or what the producers reached).
+    lat_10k: Latency,
+    /// Drains of 2 KiB and 16 KiB payloads.
+    payloads: Vec<scale::PayloadDrain>,
+    /// One transaction of a million events, and its replay.
+    large: scale::LargeTransaction,
 }
 
 fn run_all(args: &Args) -> Result<()> {
     let (latency_seconds, drain_events, tps_seconds, idle_seconds, wal_events, wal_aggregates) =
         if args.quick { (3, 20_000, 3, 3, 2_000, 200) } else { (15, 100_000, 10, 10, 20_000, 2_000) };
+    let (large_events, payload_events) =
+        if args.quick { (100_000, [5_000, 1_000]) } else { (1_000_000, [50_000, 10_000]) };
     let mut admin = pg(&args.pg)?;
     admin.batch_execute(
         "CREATE TABLE IF NOT EXISTS bench_payments (id bigserial PRIMARY KEY, payer text NOT NULL,
@@ -1130,6 +1180,9 @@ fn run_all(args: &Args) -> Result<()> {
 
     eprintln!("== latency at 1,000 events/s for {latency_seconds} s");
     let lat = latency(args, 1000, latency_seconds)?;
+    eprintln!("== latency at 10,000 events/s for {latency_seconds} s");
+    let lat_10k = latency(args, 10_000, latency_seconds)?;
+    eprintln!("   reached {:.0} events/s", lat_10k.achieved_rate());
     eprintln!("== drain {drain_events} events over 10,000 aggregates, in-server relay, 1/2/4 workers");
     let mut in_server = Vec::new();
     for workers in [1, 2, 4] {
@@ -1171,6 +1224,27 @@ fn run_all(args: &Args) -> Result<()> {
         }
         None => None,
     };
+    let mut payloads = Vec::new();
+    for (bytes, events) in [2048, 16384].into_iter().zip(payload_events) {
+        eprintln!(
+            "== drain {events} events of {bytes}-byte payloads: outbox_pg 1 worker, external relay 1/2 processes"
+        );
+        let drain = scale::payload_drain(args, events, bytes)?;
+        eprintln!(
+            "   outbox_pg {:.0} events/s ({:.1} MB/s), external {:.0} events/s ({:.1} MB/s)",
+            drain.ours.events_per_s,
+            drain.mb_per_s(&drain.ours),
+            drain.external.events_per_s,
+            drain.mb_per_s(&drain.external)
+        );
+        payloads.push(drain);
+    }
+    eprintln!("== one transaction of {large_events} events, then its replay");
+    let large = scale::large_transaction(args, large_events)?;
+    eprintln!(
+        "   first entry {:.0} ms after the commit, all in {:.1} s; relay {} kB at rest, {} kB at most; replay {:.1} s, {} kB at most",
+        large.first_entry_ms, large.publish_s, large.rss_rest_kb, large.rss_peak_kb, large.replay_s, large.replay_rss_peak_kb
+    );
     eprintln!("== WAL per event: {wal_events} events over {wal_aggregates} aggregates, outbox_pg and the seeds' path");
     let wal = wal_per_event(args, wal_events, wal_aggregates, 100)?;
     eprintln!(
@@ -1203,6 +1277,9 @@ fn run_all(args: &Args) -> Result<()> {
             tps_off,
             tps_on,
             idle,
+            lat_10k,
+            payloads,
+            large,
         },
     )
 }
@@ -1365,6 +1442,68 @@ fn targets(r: &Results) -> Vec<Target> {
             target: "≤ 1.5×",
             met: Some(wal_outbox / wal_seeds <= 1.5),
         },
+        // Issue 26.
+        Target {
+            figure: "Drain, 1 worker ÷ what Redis alone takes on this machine (1 ÷ Redis's CPU per event, same drain)"
+                .into(),
+            result: format!(
+                "{:.0}% ({} of {} events/s)",
+                100.0 * one_worker * redis_us / 1e6,
+                grouped(one_worker),
+                grouped(1e6 / redis_us)
+            ),
+            target: "≥ 70%",
+            met: Some(one_worker * redis_us / 1e6 >= 0.70),
+        },
+        Target {
+            figure: "Relay CPU per event, 10,000-aggregate drain, 1 worker".into(),
+            result: format!("{:.1} µs", r.in_server[0].cpu_us_per_event),
+            target: "≤ 5 µs",
+            met: Some(r.in_server[0].cpu_us_per_event <= 5.0),
+        },
+        Target {
+            figure: format!(
+                "One transaction of {} events: relay's private memory at its peak over at rest",
+                grouped(r.large.events as f64)
+            ),
+            result: format!(
+                "+{} kB ({} → {} kB); first entry {:.0} ms after the commit, all in {:.1} s",
+                grouped(r.large.rss_peak_kb.saturating_sub(r.large.rss_rest_kb) as f64),
+                grouped(r.large.rss_rest_kb as f64),
+                grouped(r.large.rss_peak_kb as f64),
+                r.large.first_entry_ms,
+                r.large.publish_s
+            ),
+            target: "flat (a few rounds' worth); first entries within 1 s",
+            met: Some(
+                r.large.rss_peak_kb.saturating_sub(r.large.rss_rest_kb) < 128 * 1024
+                    && r.large.first_entry_ms <= 1000.0,
+            ),
+        },
+        Target {
+            figure: format!("Replay of those {} events into another stream", grouped(r.large.events as f64)),
+            result: format!(
+                "{} events/s; relay's private memory at most {} kB",
+                grouped(r.large.events as f64 / r.large.replay_s),
+                grouped(r.large.replay_rss_peak_kb as f64)
+            ),
+            target: "memory flat",
+            met: Some(r.large.replay_rss_peak_kb.saturating_sub(r.large.rss_rest_kb) < 128 * 1024),
+        },
+        Target {
+            figure: format!(
+                "Latency at {} events/s asked (producers reached {})",
+                grouped(r.lat_10k.rate as f64),
+                grouped(r.lat_10k.achieved_rate())
+            ),
+            result: format!(
+                "p50 {:.2} ms, p99 {:.2} ms",
+                percentile(&r.lat_10k.samples_ms, 50.0),
+                percentile(&r.lat_10k.samples_ms, 99.0)
+            ),
+            target: "recorded",
+            met: None,
+        },
     ]
 }
 
@@ -1446,6 +1585,20 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
                 "plain_insert_bytes_per_event": per_event(r.wal.seeds.enqueue)},
         "idle": {"seconds": r.idle.seconds, "relay_cpu_ms": r.idle.cpu_ms, "transactions": r.idle.transactions,
                  "poll_interval": r.idle.poll_interval},
+        "latency_10k": {"rate_per_s": r.lat_10k.rate, "reached_per_s": r.lat_10k.achieved_rate(),
+                        "samples": r.lat_10k.samples_ms.len(), "missing": r.lat_10k.missing,
+                        "p50_ms": percentile(&r.lat_10k.samples_ms, 50.0), "p99_ms": percentile(&r.lat_10k.samples_ms, 99.0),
+                        "max_ms": r.lat_10k.samples_ms.last().copied().unwrap_or(f64::NAN)},
+        "payload_drains": r.payloads.iter().map(|p| serde_json::json!({
+            "payload_bytes": p.payload_bytes, "events": p.events,
+            "outbox_pg": drain_json(&p.ours, "workers"), "outbox_pg_mb_per_s": p.mb_per_s(&p.ours),
+            "external_best": drain_json(&p.external, "processes"), "external_mb_per_s": p.mb_per_s(&p.external),
+        })).collect::<Vec<_>>(),
+        "large_transaction": {"events": r.large.events, "enqueue_s": r.large.enqueue_s,
+                              "first_entry_after_commit_ms": r.large.first_entry_ms, "published_in_s": r.large.publish_s,
+                              "relay_rss_anon_rest_kb": r.large.rss_rest_kb, "relay_rss_anon_peak_kb": r.large.rss_peak_kb,
+                              "replay_s": r.large.replay_s, "replay_events_per_s": r.large.events as f64 / r.large.replay_s,
+                              "replay_relay_rss_anon_peak_kb": r.large.replay_rss_peak_kb},
     });
     std::fs::write(format!("{}/results.json", args.out), serde_json::to_string_pretty(&json)?)?;
     std::fs::write(format!("{}/latency.svg", args.out), histogram_svg(&lat.samples_ms))?;
@@ -1457,7 +1610,7 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
              not the figures.\n\n",
         );
     }
-    md.push_str("## Targets (issue 12)\n\n| figure | result | target | met? |\n|---|---|---|---|\n");
+    md.push_str("## Targets (issues 12 and 26)\n\n| figure | result | target | met? |\n|---|---|---|---|\n");
     for t in &targets {
         let met = match t.met {
             Some(true) => "yes",
@@ -1576,6 +1729,51 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
             cluster.events_per_s / single.events_per_s
         ));
     }
+    md.push_str(
+        "\n## Drains of large payloads\n\nThe same drain (10,000 aggregates, transactions of 1,000) with payloads of \
+         about 2 KiB and 16 KiB of JSON; outbox_pg with 1 worker, the external relay's better of 1 and 2 processes. \
+         MB/s counts payload bytes.\n\n| payload | events | outbox_pg events/s | MB/s | relay CPU/event | external events/s | MB/s |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    for p in &r.payloads {
+        md.push_str(&format!(
+            "| {} B | {} | {} | {:.1} | {:.1} µs | {} | {:.1} |\n",
+            grouped(p.payload_bytes as f64),
+            grouped(p.events as f64),
+            grouped(p.ours.events_per_s),
+            p.mb_per_s(&p.ours),
+            p.ours.cpu_us_per_event,
+            grouped(p.external.events_per_s),
+            p.mb_per_s(&p.external)
+        ));
+    }
+    let large = &r.large;
+    md.push_str(&format!(
+        "\n## One transaction of {} events, and its replay\n\nOne `SELECT outbox_enqueue(…) FROM generate_series(…)` \
+         ({:.1} s), committed; the relay publishes it in rounds of at most 10,000 events or 16 MB. First entry in Redis \
+         {:.0} ms after the commit; all of it in {:.1} s ({} events/s). The relay's private memory (`RssAnon`, sampled \
+         every 20 ms): {} kB at rest, {} kB at most. Then `outbox.replay(since => …, into => …)` of the same events: \
+         {:.1} s ({} events/s), at most {} kB.\n\n\
+         Latency at {} events/s asked (the producers reached {} events/s): p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms \
+         ({} samples, {} missing).\n",
+        grouped(large.events as f64),
+        large.enqueue_s,
+        large.first_entry_ms,
+        large.publish_s,
+        grouped(large.events as f64 / large.publish_s),
+        grouped(large.rss_rest_kb as f64),
+        grouped(large.rss_peak_kb as f64),
+        large.replay_s,
+        grouped(large.events as f64 / large.replay_s),
+        grouped(large.replay_rss_peak_kb as f64),
+        grouped(r.lat_10k.rate as f64),
+        grouped(r.lat_10k.achieved_rate()),
+        percentile(&r.lat_10k.samples_ms, 50.0),
+        percentile(&r.lat_10k.samples_ms, 99.0),
+        r.lat_10k.samples_ms.last().copied().unwrap_or(f64::NAN),
+        r.lat_10k.samples_ms.len(),
+        r.lat_10k.missing
+    ));
     md.push_str(&format!(
         "\n## Enqueue cost (pgbench, 4 clients, median of 3 alternating runs)\n\n\
          Both transactions INSERT a payment row; then `outbox_enqueue(…)`, or a plain INSERT into `bench_seed_outbox`, \
