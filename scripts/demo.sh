@@ -16,20 +16,29 @@ export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS
 
 SERVERS_DIR=${DEMO_DIR:-/tmp/opg-demo}
-source scripts/private-servers.sh
+PG_CONFIG=${PG_CONFIG:-$(bash scripts/pg-config.sh "${PG_MAJOR:-15}")}
+# The servers: outbox-testkit's, started the way the tests start theirs.
+cargo build -q -p outbox-testkit --bin outbox-servers
+TARGET=${CARGO_TARGET_DIR:-target}  # where cargo put the binaries
+SERVERS=$TARGET/debug/outbox-servers
 
 if [ "${DEMO_SKIP_INSTALL:-0}" = 1 ]; then
   cargo build -q -p outbox-demo
-  DEMO_BIN=target/debug/payments-demo
+  DEMO_BIN=$TARGET/debug/payments-demo
 else
   echo "== building and installing outbox_pg (release) and the demo"
-  cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null
+  # With outbox.fault_injection (src/faults.rs): the demo makes the relay die after publishing.
+  cargo pgrx install --release --features fault-injection --pg-config "$PG_CONFIG" >/dev/null
   cargo build -q --release -p outbox-demo
-  DEMO_BIN=target/release/payments-demo
+  DEMO_BIN=$TARGET/release/payments-demo
 fi
 
-start_private_servers
+[ "${KEEP:-0}" = 1 ] || trap '"$SERVERS" down --dir "$SERVERS_DIR"' EXIT
+# An assignment, not `eval "$(...)"`: set -e sees a failed `up` only this way.
+servers=$("$SERVERS" up --dir "$SERVERS_DIR" --pg-config "$PG_CONFIG")
+eval "$servers"
+echo "== redis-server on 127.0.0.1:$REDIS_PORT, PostgreSQL on 127.0.0.1:$PG_PORT (outbox_pg preloaded), in $SERVERS_DIR"
 
 "$DEMO_BIN" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
   --redis "redis://127.0.0.1:$REDIS_PORT" --pg-log "$PG_LOG" --payments "${DEMO_PAYMENTS:-2000}"
-echo "   logs: $PG_LOG, $SERVERS_DIR/redis.log"
+echo "   logs: $PG_LOG, $REDIS_LOG"

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Builds the Debian packages of a release:
-#   postgresql-15-outbox-pg_<version>_<arch>.deb  the extension (library, control file, install and
-#                                                 upgrade scripts), named like Debian's own
+#   postgresql-NN-outbox-pg_<version>_<arch>.deb  the extension for PostgreSQL NN (library, control
+#                                                 file, install and upgrade scripts), named and laid
+#                                                 out like Debian's and PGDG's own
 #                                                 postgresql-NN-<extension> packages
 #   outbox-consume_<version>_<arch>.deb           the outbox-consume CLI in /usr/bin
-# Usage: bash scripts/package.sh [OUT_DIR]   (default: $OUTBOX_DEB_DIR, else target/debian)
+# Usage: [PG_MAJOR=NN] bash scripts/package.sh [OUT_DIR]   (default: $OUTBOX_DEB_DIR, else target/debian)
+# PG_MAJOR: 15 (default), 16, 17 or 18. The build uses that major's pg_config (scripts/pg-config.sh,
+# or $PG_CONFIG); the package installs where Debian's postgresql-NN looks, whatever that pg_config says.
 # OUTBOX_PACKAGE_REUSE=1 skips the (slow, release) build when both packages of the current versions
 # already exist in OUT_DIR. The last lines of output are the paths of the two packages.
 # Installs nothing into PostgreSQL's directories: pgrx stages the files under target/.
@@ -13,12 +16,15 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 PG_MAJOR=${PG_MAJOR:-15}
-PG_CONFIG=/usr/lib/postgresql/$PG_MAJOR/bin/pg_config
+if [ -n "${PG_CONFIG:-}" ]; then
+  export "PG_CONFIG_$PG_MAJOR=$PG_CONFIG"
+fi
+PG_CONFIG=$(bash scripts/pg-config.sh "$PG_MAJOR")
 EXT_PKG=postgresql-$PG_MAJOR-outbox-pg
 CLI_PKG=outbox-consume
 OUT_DIR=$(realpath -m "${1:-${OUTBOX_DEB_DIR:-$ROOT/target/debian}}")
 
-bash scripts/install-deps.sh
+bash scripts/install-deps.sh "$PG_MAJOR"
 # dpkg-dev: dpkg-shlibdeps computes the library dependencies; binutils: strip. Both are build-only,
 # hence here and not in install-deps.sh.
 need_pkgs=()
@@ -66,14 +72,16 @@ cargo pgrx package --no-default-features --features "pg$PG_MAJOR" --pg-config "$
 echo "== cargo build --release -p outbox-consumer"
 cargo build --release -p outbox-consumer --bin outbox-consume
 
-# Debian's tree layout: what dpkg-deb packs is exactly what lands on disk.
+# Debian's tree layout (postgresql-common's, which PGDG's packages share): what dpkg-deb packs is
+# exactly what lands on disk. pgrx staged the files under the build's pg_config directories, which
+# are Debian's for 15 and the PyPI tree's for the others.
 EXT_ROOT=$STAGE/$EXT_PKG
 CLI_ROOT=$STAGE/$CLI_PKG
-PKGLIBDIR=$("$PG_CONFIG" --pkglibdir)
-SHAREDIR=$("$PG_CONFIG" --sharedir)
+PKGLIBDIR=/usr/lib/postgresql/$PG_MAJOR/lib
+SHAREDIR=/usr/share/postgresql/$PG_MAJOR
 install -d "$EXT_ROOT/DEBIAN" "$EXT_ROOT$PKGLIBDIR" "$EXT_ROOT$SHAREDIR/extension"
-install -m 0644 "$PGRX_OUT$PKGLIBDIR"/outbox_pg.so "$EXT_ROOT$PKGLIBDIR/"
-install -m 0644 "$PGRX_OUT$SHAREDIR"/extension/outbox_pg* "$EXT_ROOT$SHAREDIR/extension/"
+install -m 0644 "$PGRX_OUT$("$PG_CONFIG" --pkglibdir)"/outbox_pg.so "$EXT_ROOT$PKGLIBDIR/"
+install -m 0644 "$PGRX_OUT$("$PG_CONFIG" --sharedir)"/extension/outbox_pg* "$EXT_ROOT$SHAREDIR/extension/"
 install -d "$CLI_ROOT/DEBIAN" "$CLI_ROOT/usr/bin"
 install -m 0755 "$TARGET_DIR/release/outbox-consume" "$CLI_ROOT/usr/bin/"
 
@@ -136,7 +144,7 @@ add_docs "$CLI_ROOT" "$CLI_PKG" consumer/README.md "$CLI_VERSION"
 # dpkg-shlibdeps turns the ELF files' DT_NEEDED entries into versioned Depends (libc6, libgcc-s1).
 # It wants a debian/control of a source package in the current directory: give it a minimal one.
 # The extension's references to the server's own symbols are resolved by the postgres binary at
-# load time, hence the dependency on postgresql-15 and -e on a library (no unresolved-symbol check).
+# load time, hence the dependency on postgresql-NN and -e on a library (no unresolved-symbol check).
 shlibs_depends() { # elf-file
   local dir=$STAGE/shlibdeps depends
   mkdir -p "$dir/debian"

@@ -6,14 +6,31 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/install-deps.sh
+# PG_MAJOR (15, 16, 17 or 18; default 15) picks the server to build and test against, PG_CONFIG
+# another installation of it (scripts/pg-config.sh says where each major lives). tests/pg_upgrade.rs
+# upgrades a cluster of PG_UPGRADE_FROM (default 15) to PG_MAJOR, so that major is installed too.
+export PG_MAJOR=${PG_MAJOR:-15}
+if [ -n "${PG_CONFIG:-}" ]; then
+  export "PG_CONFIG_$PG_MAJOR=$PG_CONFIG"
+fi
+export PG_UPGRADE_FROM=${PG_UPGRADE_FROM:-15}
+# Into another major, the old cluster is PyPI's 15.19.0, not Debian's 15: Debian's 15.20 tags every
+# column with a `pg_attver` option that PostgreSQL 16.15, 17.11 and 18.6 refuse, so pg_upgrade from
+# it fails for any cluster, with or without outbox_pg (docs/install.md, "pg_upgrade").
+pypi_extra=
+if [ "$PG_UPGRADE_FROM" = 15 ] && [ "$PG_MAJOR" != 15 ] && [ -z "${PG_UPGRADE_FROM_CONFIG:-}" ]; then
+  pypi_extra="15.19.0:/opt/postgresql/15.19"
+  export PG_UPGRADE_FROM_CONFIG=/opt/postgresql/15.19/bin/pg_config
+fi
+PYPI_EXTRA=$pypi_extra bash scripts/install-deps.sh "$PG_MAJOR" "$PG_UPGRADE_FROM"
 export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS  # it would override the link flags pgrx needs
-
-# PG_MAJOR (default 15, the supported version) picks the server to build and test against.
-export PG_MAJOR=${PG_MAJOR:-15}
-export PG_CONFIG=${PG_CONFIG:-/usr/lib/postgresql/$PG_MAJOR/bin/pg_config}
-FEATURES="pg$PG_MAJOR pg_test"
+PG_CONFIG=$(bash scripts/pg-config.sh "$PG_MAJOR")
+export PG_CONFIG
+echo "== PostgreSQL $PG_MAJOR: $("$PG_CONFIG" --version), $PG_CONFIG"
+# fault-injection: outbox.fault_injection exists only in builds with it (src/faults.rs); the tests
+# and the demo use it, packages and plain installs leave it out.
+FEATURES="pg$PG_MAJOR pg_test fault-injection"
 # PostgreSQL refuses to run as root: the pgrx test instance runs as `postgres`, in a directory it
 # owns with a short path (it is also the socket directory).
 PGRX_TEST_DATA=${PGRX_TEST_DATA:-/tmp/opg-pgrx}
@@ -27,14 +44,26 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
-cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo --all-targets -- -D warnings
+cargo clippy --no-default-features --features "pg$PG_MAJOR" -- -D warnings  # a production build
+cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit --all-targets -- -D warnings
+
+# OUTBOX_TESTS names a part of the suite (.ci/run on 16 and 17): "lib" (the unit tests and the
+# #[pg_test]s) and integration test files of tests/ by name, e.g. "lib relay faults". Default: all,
+# with the consumer crate's tests.
+targets=()
+for name in ${OUTBOX_TESTS:-}; do
+  if [ "$name" = lib ]; then targets+=(--lib); else targets+=(--test "$name"); fi
+done
 
 # The lib test binary runs first: it installs the extension (test build) into PostgreSQL's
 # directories and runs the unit tests and #[pg_test]s. The integration tests then use that install.
 echo "== cargo test"
 # --no-fail-fast: one failing test binary does not hide the results of the others.
-cargo test --no-fail-fast --no-default-features --features "$FEATURES" -- --test-threads="${TEST_THREADS:-2}" "$@"
+cargo test --no-fail-fast --no-default-features --features "$FEATURES" "${targets[@]}" -- --test-threads="${TEST_THREADS:-2}" "$@"
 
-# The consumer library and CLI (no pgrx), against their own redis-servers.
-echo "== cargo test -p outbox-consumer"
-cargo test -p outbox-consumer -- "$@"
+# The consumer library and CLI (no pgrx), against their own redis-servers; the test servers' own
+# unit tests.
+if [ -z "${OUTBOX_TESTS:-}" ]; then
+  echo "== cargo test -p outbox-consumer -p outbox-testkit"
+  cargo test -p outbox-consumer -p outbox-testkit -- "$@"
+fi
