@@ -94,8 +94,10 @@ struct Relay {
     found_extension: bool,
     /// Set when the relay must exit: its database has no outbox_pg (any more).
     exit: bool,
-    /// The database's and role's own settings (pg_db_role_setting) the relay started with.
+    /// The database's and role's own settings (pg_db_role_setting) the relay started with, and
+    /// when they were last compared with the catalog.
     own_settings: String,
+    own_settings_read_at: Instant,
     /// The Redis whose stream marks stored by earlier relays were loaded into the sink (by its
     /// description: no credentials), and when this relay last stored its own
     /// (src/relay/losses.rs).
@@ -162,6 +164,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         found_extension: false,
         exit: false,
         own_settings,
+        own_settings_read_at: Instant::now(),
         marks_loaded: None,
         marks_stored_at: Instant::now(),
         marks_pruned_at: Instant::now(),
@@ -183,10 +186,17 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
             );
             break;
         }
-        if BackgroundWorker::sighup_received() {
+        let reloaded = BackgroundWorker::sighup_received();
+        if reloaded {
             // SAFETY: the documented way for a worker to re-read postgresql.conf after SIGHUP.
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-            // A reload does not re-read pg_db_role_setting: start again to apply a change there.
+        }
+        // A reload does not re-read pg_db_role_setting: start again to apply a change there. It is
+        // also compared once per poll interval, because the reload may come before the change is
+        // visible: `ALTER DATABASE ... SET ...; SELECT pg_reload_conf();` sent as one query string
+        // is one transaction, which signals the relays before it commits (seen in CI).
+        if reloaded || relay.own_settings_read_at.elapsed() >= guc::poll_interval() {
+            relay.own_settings_read_at = Instant::now();
             match txn::run(|| Ok::<_, String>(settings::own_settings())) {
                 Ok(settings) if settings != relay.own_settings => {
                     log!(
@@ -198,6 +208,8 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
                 }
                 _ => {}
             }
+        }
+        if reloaded {
             if relay.slot == 0 && relay.found_extension {
                 warn_about_settings();
             }
