@@ -347,11 +347,17 @@ fn settle(
 }
 
 /// A round landed, then the round read meanwhile (or read after it): one outcome for the tick,
-/// with the counts of both and the state of the later.
+/// with the counts of both and the state of the later; `more` if either says so. The round read
+/// meanwhile is no full read (it reads only the shards commits flagged and the windows in parts),
+/// so when the landed round had more to read (a lagging shard stepped to a recorded snapshot, a
+/// window went on in parts), only a full read at once finds the rest: without it the rest waited
+/// for the next full read, a poll interval later (12% of a 100,000-event drain waited a second).
 fn merge(landed: TickOutcome, next: TickOutcome) -> TickOutcome {
     match (landed, next) {
         (
-            TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection, .. },
+            TickOutcome::Worked {
+                claimed, published, rejected, dead_lettered, last_rejection, more: landed_more, ..
+            },
             TickOutcome::Worked {
                 claimed: more_claimed,
                 published: more_published,
@@ -368,13 +374,16 @@ fn merge(landed: TickOutcome, next: TickOutcome) -> TickOutcome {
             rejected: rejected + more_rejected,
             dead_lettered: dead_lettered + more_dead,
             last_rejection: later_rejection.or(last_rejection),
-            more,
+            more: more || landed_more,
             catching_up,
             in_flight,
         },
-        // Nothing more to read: the landed round is what happened (nothing more waits).
+        // Nothing more to read on the shards the later read looked at: the landed round is what
+        // happened, and says whether more waits elsewhere.
         (
-            TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection, catching_up, .. },
+            TickOutcome::Worked {
+                claimed, published, rejected, dead_lettered, last_rejection, more, catching_up, ..
+            },
             next,
         ) if matches!(next, TickOutcome::Idle | TickOutcome::SteppedOver) => TickOutcome::Worked {
             claimed,
@@ -382,10 +391,48 @@ fn merge(landed: TickOutcome, next: TickOutcome) -> TickOutcome {
             rejected,
             dead_lettered,
             last_rejection,
-            more: matches!(next, TickOutcome::SteppedOver),
+            more: more || matches!(next, TickOutcome::SteppedOver),
             catching_up,
             in_flight: false,
         },
         (_, next) => next,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{merge, TickOutcome};
+
+    fn worked(claimed: usize, more: bool, in_flight: bool) -> TickOutcome {
+        TickOutcome::Worked {
+            claimed,
+            published: claimed,
+            rejected: 0,
+            dead_lettered: 0,
+            last_rejection: None,
+            more,
+            catching_up: false,
+            in_flight,
+        }
+    }
+
+    fn more_of(outcome: &TickOutcome) -> bool {
+        matches!(outcome, TickOutcome::Worked { more: true, .. })
+    }
+
+    #[test]
+    fn a_landed_round_with_more_to_read_sends_the_relay_back_at_once() {
+        assert!(more_of(&merge(worked(10_000, true, false), TickOutcome::Idle)));
+        assert!(more_of(&merge(worked(10_000, true, false), worked(300, false, false))));
+        assert!(more_of(&merge(worked(10_000, false, false), TickOutcome::SteppedOver)));
+        assert!(more_of(&merge(worked(10_000, false, false), worked(10_000, true, true))));
+    }
+
+    #[test]
+    fn a_landed_round_that_drained_its_shards_lets_the_relay_wait() {
+        assert!(!more_of(&merge(worked(300, false, false), TickOutcome::Idle)));
+        assert!(!more_of(&merge(worked(300, false, false), worked(20, false, false))));
+        let merged = merge(worked(300, false, false), worked(20, false, false));
+        assert!(matches!(merged, TickOutcome::Worked { claimed: 320, published: 320, .. }));
     }
 }
