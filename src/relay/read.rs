@@ -297,7 +297,12 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
                     || (read.complete && (c.bounded || c.position.is_some()))
                     || (read.complete && full && Duration::from_millis(c.age_ms as u64) >= IDLE_CURSOR_MOVE)
                     || (!read.complete && c.position.is_none() && read.position.is_some());
-                batch.more |= !read.complete;
+                // A window published in parts may end at a recorded snapshot: the claim that began
+                // it found the shard lagging, and the rounds that went on with it see only the
+                // window (and a kept claim reads only flagged shards). So its last part says
+                // `more`, and the next round reads every shard at once; else what was committed
+                // after that snapshot waited for the next full read, a poll interval later.
+                batch.more |= !read.complete || c.position.is_some();
                 if !read.complete && read.position.is_none() {
                     // The round's allowance ran out before this shard: nothing of it was read and
                     // no position is stored, so only a flag sends the next round (a read on the
