@@ -64,6 +64,9 @@ static BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(100);
 /// `outbox.poll_interval` (default 1s, reload).
 static POLL_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 
+/// `outbox.linger` (default 10ms, reload).
+static LINGER_MS: GucSetting<i32> = GucSetting::<i32>::new(10);
+
 /// `outbox.stream` (default `outbox:{aggregate_type}`, reload).
 static STREAM_TEMPLATE: GucSetting<Option<CString>> =
     GucSetting::<Option<CString>>::new(Some(c"outbox:{aggregate_type}"));
@@ -302,6 +305,16 @@ pub fn init(preloading: bool) {
         &POLL_INTERVAL_MS,
         10,
         3_600_000,
+        GucContext::Suset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.linger",
+        c"Under a steady stream of commits, the most the relay waits after a round to gather the next.",
+        c"The latency it may add to save CPU at high rates; 0 sends every round at once (docs/worker.md, \"Coalescing\").",
+        &LINGER_MS,
+        0,
+        10_000,
         GucContext::Suset,
         GucFlags::UNIT_MS,
     );
@@ -578,6 +591,10 @@ pub fn batch_size() -> usize {
 
 pub fn poll_interval() -> Duration {
     Duration::from_millis(POLL_INTERVAL_MS.get().max(1) as u64)
+}
+
+pub fn linger() -> Duration {
+    Duration::from_millis(LINGER_MS.get().max(0) as u64)
 }
 
 pub fn stream_template() -> String {

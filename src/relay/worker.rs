@@ -52,22 +52,18 @@ const LIVE_RECENTLY: Duration = Duration::from_secs(1);
 /// two short transactions and a Redis round trip whatever its size (about 0.3 to 1 ms of CPU when
 /// it carries a few dozen events of new aggregates), so under a steady stream of small commits
 /// one round per commit would take a good part of a core from the application. The pause grows
-/// with the last round's size, COALESCE_PER_EVENT per event between COALESCE_MIN and
-/// COALESCE_MAX: at 1,000 events/s rounds carry one or two events and the pause stays at half a
-/// millisecond; up to about 3,000 events/s it stays within a few milliseconds; at a producer's
-/// ceiling it reaches COALESCE_MAX and the relay runs under a hundred rounds a second instead of
-/// thousands. 10 ms there rather than 3 halved the relay's CPU at pgbench's ceiling and raised
-/// the producers' throughput with the relay running from about 0.75 to about 0.9 of that with it
-/// paused (docs/performance.md): under saturation the application's throughput is worth more
-/// than a few milliseconds of latency. An idle relay is woken at once by the first commit; only
-/// the rounds that follow a busy one wait.
+/// with the last round's size, COALESCE_PER_EVENT per event, from COALESCE_MIN up to
+/// `outbox.linger`: at 1,000 events/s rounds carry one or two events and the pause stays at half a
+/// millisecond; at a producer's ceiling it reaches `outbox.linger` and the relay runs a few hundred
+/// rounds a second instead of thousands. An idle relay is woken at once by the first commit; only
+/// the rounds that follow a busy one wait. Why the default is what it is, measured at the
+/// producers' ceiling: docs/worker.md, "Coalescing".
 const COALESCE_MIN: Duration = Duration::from_micros(500);
 const COALESCE_PER_EVENT: Duration = Duration::from_micros(250);
-const COALESCE_MAX: Duration = Duration::from_millis(10);
 
-/// The pause after a round that published `events` and drained its window.
-fn coalesce_window(events: usize) -> Duration {
-    COALESCE_PER_EVENT.saturating_mul(events.min(u32::MAX as usize) as u32).clamp(COALESCE_MIN, COALESCE_MAX)
+/// The pause after a round that published `events` and drained its window, `linger` at most.
+fn coalesce_window(events: usize, linger: Duration) -> Duration {
+    COALESCE_PER_EVENT.saturating_mul(events.min(u32::MAX as usize) as u32).clamp(COALESCE_MIN.min(linger), linger)
 }
 
 struct Relay {
@@ -464,8 +460,9 @@ impl Relay {
                     // The log was drained up to the round's snapshot (events Redis rejected back
                     // off on their own). Commits made during this round have set the latch, so
                     // the wait returns at once if there is new work.
-                    if claimed > 0 {
-                        std::thread::sleep(coalesce_window(claimed));
+                    let pause = coalesce_window(claimed, guc::linger());
+                    if claimed > 0 && !pause.is_zero() {
+                        std::thread::sleep(pause);
                     }
                     Some(poll.min(until_housekeeping))
                 }
@@ -767,15 +764,22 @@ unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
 
 #[cfg(test)]
 mod tests {
-    use super::{coalesce_window, COALESCE_MAX, COALESCE_MIN};
+    use super::{coalesce_window, COALESCE_MIN};
     use std::time::Duration;
 
     #[test]
     fn the_pause_between_rounds_grows_with_their_size_within_bounds() {
-        assert_eq!(coalesce_window(1), COALESCE_MIN);
-        assert_eq!(coalesce_window(2), COALESCE_MIN);
-        assert_eq!(coalesce_window(6), Duration::from_micros(1500));
-        assert_eq!(coalesce_window(1000), COALESCE_MAX);
-        assert_eq!(coalesce_window(usize::MAX), COALESCE_MAX);
+        let linger = Duration::from_millis(10);
+        assert_eq!(coalesce_window(1, linger), COALESCE_MIN);
+        assert_eq!(coalesce_window(2, linger), COALESCE_MIN);
+        assert_eq!(coalesce_window(6, linger), Duration::from_micros(1500));
+        assert_eq!(coalesce_window(1000, linger), linger);
+        assert_eq!(coalesce_window(usize::MAX, linger), linger);
+    }
+
+    #[test]
+    fn a_linger_below_the_smallest_pause_is_the_pause() {
+        assert_eq!(coalesce_window(1, Duration::from_micros(200)), Duration::from_micros(200));
+        assert_eq!(coalesce_window(1000, Duration::ZERO), Duration::ZERO);
     }
 }
