@@ -5,7 +5,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{status_counts, wait_for, Cluster, Env, Redis, DEADLINE};
+use common::{assert_numbered_in_order, status_counts, wait_for, Cluster, Env, Redis, DEADLINE};
 
 fn enqueue(client: &mut postgres::Client, aggregate_type: &str, aggregate_id: &str, payload: &str) -> String {
     client
@@ -335,12 +335,7 @@ fn drain_a_paused_backlog(aggregates: i64, bursts: i64, transactions: i64, event
     });
     let entries = env.redis.entries("outbox:drain");
     assert_eq!(entries.len(), total, "every event once");
-    let mut last_seq: HashMap<&str, u64> = HashMap::new();
-    for entry in &entries {
-        let seq: u64 = entry["aggregate_seq"].parse().unwrap();
-        let before = last_seq.insert(entry["aggregate_id"].as_str(), seq).unwrap_or(0);
-        assert_eq!(seq, before + 1, "aggregate {} numbered in order", entry["aggregate_id"]);
-    }
+    assert_numbered_in_order(&entries, "the drained backlog");
     assert!(env.pg.log().contains("is catching up on a backlog"), "the backlog was read window by window");
 }
 
@@ -353,7 +348,10 @@ fn a_backlog_over_many_aggregates_is_published_to_its_end_without_waiting_for_a_
 
 /// One aggregate (one shard): a window of one 15,000-event transaction, more than a round takes,
 /// begun at a recorded snapshot; behind it another such transaction, committed too recently for a
-/// recorded snapshot to bound it, so the rounds that go on with the window hold a kept claim.
+/// recorded snapshot to bound it. Meant for the window's last part on a kept claim; here the idle
+/// shards lag behind newer snapshots, the claims stay bounded and are not kept, and the test
+/// passes with or without that fix (the drain benchmark showed the wait): it guards the path's
+/// order and completeness.
 #[test]
 fn a_backlog_of_one_aggregate_is_published_to_its_end_without_waiting_for_a_poll() {
     drain_a_paused_backlog(1, 2, 1, 15_000, false);

@@ -11,8 +11,8 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
 
 use common::{
-    check_invariants, check_invariants_beside, wait_for, Env, Expect, LedgerEvent, Producers, Redis, SharedLedger,
-    Workload, DEADLINE,
+    assert_numbered_in_order, check_invariants, check_invariants_beside, wait_for, Env, Expect, LedgerEvent, Producers,
+    Redis, SharedLedger, Workload, DEADLINE,
 };
 
 /// Waits until replay `id` is done; its row of outbox.replays (replayed, filtered, missing, errors).
@@ -85,16 +85,13 @@ fn a_replay_into_another_stream_sends_exactly_the_selection_in_order_while_live_
 
     let history = env.redis.entries("history:payment");
     assert_eq!(history.len(), selected as usize, "each selected event once");
-    let mut last: HashMap<String, i64> = HashMap::new();
     for entry in &history {
         let event_id = &entry["event_id"];
         assert_eq!(entry["replay"], id.to_string());
         assert_eq!(entry["aggregate_type"], "payment");
         assert_eq!(Some(&entry["aggregate_seq"]), originals.get(event_id), "the aggregate_seq it was published with");
-        let seq: i64 = entry["aggregate_seq"].parse().unwrap();
-        let previous = last.insert(entry["aggregate_id"].clone(), seq).unwrap_or(0);
-        assert_eq!(seq, previous + 1, "per aggregate, in the order they were published: {entry:?}");
     }
+    assert_numbered_in_order(&history, "the replay, per aggregate in the order they were published");
     assert!(env.redis.entries("outbox:payment").iter().all(|e| !e.contains_key("replay")), "the live stream untouched");
     check_invariants_beside("replay-into", &env.pg, &env.redis, &ledger, Expect::default(), Some("history:"));
 }

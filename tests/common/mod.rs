@@ -188,6 +188,17 @@ pub fn seqs_of(entries: &[HashMap<String, String>], aggregate_id: &str) -> Vec<(
         .collect()
 }
 
+/// Asserts that in `entries` (stream order) every aggregate's `aggregate_seq` runs 1, 2, 3, ...
+/// with no gap and no repeat; `what` names the scenario in the failure.
+pub fn assert_numbered_in_order(entries: &[HashMap<String, String>], what: &str) {
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for entry in entries {
+        let seq: i64 = entry["aggregate_seq"].parse().unwrap();
+        let previous = last.insert(entry["aggregate_id"].as_str(), seq).unwrap_or(0);
+        assert_eq!(seq, previous + 1, "{what}: aggregate {} numbered out of order: {entry:?}", entry["aggregate_id"]);
+    }
+}
+
 /// The status outbox.messages gives an event.
 pub fn status_of(client: &mut postgres::Client, event_id: &str) -> String {
     client.query_one("SELECT status FROM outbox.messages WHERE event_id = $1::text::uuid", &[&event_id]).unwrap().get(0)
