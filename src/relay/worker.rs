@@ -460,9 +460,8 @@ impl Relay {
                     // The log was drained up to the round's snapshot (events Redis rejected back
                     // off on their own). Commits made during this round have set the latch, so
                     // the wait returns at once if there is new work.
-                    let pause = coalesce_window(claimed, guc::linger());
-                    if claimed > 0 && !pause.is_zero() {
-                        std::thread::sleep(pause);
+                    if claimed > 0 {
+                        std::thread::sleep(coalesce_window(claimed, guc::linger()));
                     }
                     Some(poll.min(until_housekeeping))
                 }
