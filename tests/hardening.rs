@@ -465,3 +465,64 @@ fn relays_keep_their_own_transaction_rules_and_warn_about_a_lease_shorter_than_r
         env.pg.log()
     );
 }
+
+#[test]
+fn a_database_search_path_never_chooses_the_operators_the_relay_runs() {
+    // The database's owner may set its default search_path; the relay runs as the bootstrap
+    // superuser. An `=` in a schema listed before pg_catalog would win over pg_catalog's for every
+    // unqualified comparison of the relay's own statements (a kept claim's `claimed_by = $1`,
+    // housekeeping's `state = 'running'`), and run with superuser rights.
+    let env = Env::start(&[]);
+    let mut admin = env.pg.connect();
+    let record = "INSERT INTO evil.calls SELECT a.backend_type, pg_catalog.current_setting('search_path') FROM pg_catalog.pg_stat_activity a \
+                  WHERE a.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid()";
+    admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA evil;
+             CREATE TABLE evil.calls (backend text, search_path text);
+             GRANT INSERT ON evil.calls TO PUBLIC;
+             CREATE FUNCTION evil.int_eq(integer, integer) RETURNS boolean LANGUAGE plpgsql AS
+                 $$BEGIN {record}; RETURN $1 OPERATOR(pg_catalog.=) $2; END$$;
+             CREATE FUNCTION evil.text_eq(text, text) RETURNS boolean LANGUAGE plpgsql AS
+                 $$BEGIN {record}; RETURN $1 OPERATOR(pg_catalog.=) $2; END$$;
+             CREATE OPERATOR evil.= (LEFTARG = integer, RIGHTARG = integer, FUNCTION = evil.int_eq);
+             CREATE OPERATOR evil.= (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.text_eq);
+             ALTER DATABASE postgres SET search_path = evil, pg_catalog, public;"
+        ))
+        .unwrap();
+    drop(admin);
+    // The relay reads the database's settings when it connects.
+    env.pg.pg_ctl_stop("fast");
+    env.pg.pg_ctl_start();
+    let mut client = env.pg.connect();
+    client.batch_execute("SET search_path = pg_catalog, public").unwrap();
+    for _ in 0..20 {
+        client.batch_execute("SELECT outbox_enqueue('path', i % 7, 'e', '{}') FROM generate_series(1, 50) i").unwrap();
+    }
+    wait_for(DEADLINE, "every event published", || {
+        (status_counts(&mut client).get("published").copied() == Some(1000)).then_some(())
+    });
+    // Rounds one after another, each within a kept claim's life of the last (a kept claim's read
+    // compares `claimed_by = $1`).
+    for n in 1..=5 {
+        client.batch_execute("SELECT outbox_enqueue('path', 1, 'e', '{}')").unwrap();
+        wait_for(DEADLINE, "the next event published", || {
+            (status_counts(&mut client).get("published").copied() == Some(1000 + n)).then_some(())
+        });
+    }
+    // The trap is armed: a session on the database's default path reaches it.
+    let mut plain = env.pg.connect();
+    plain.batch_execute("SELECT count(*) FROM pg_catalog.pg_class WHERE relname::text = 'pg_class'").unwrap();
+    assert!(
+        count(&mut client, "SELECT count(*) FROM evil.calls WHERE backend = 'client backend'") > 0,
+        "a plain session's comparisons go through the database's search_path"
+    );
+    let by_relays: String = client
+        .query_one(
+            "SELECT coalesce(string_agg(DISTINCT backend || ' with search_path ' || search_path, ', '), '') FROM evil.calls WHERE backend LIKE 'outbox_pg%'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(by_relays, "", "the relay ran an operator the database's search_path chose");
+}

@@ -85,7 +85,8 @@ pub fn adopt_own_settings() -> Option<String> {
 /// that an event is lost, while waiting would put an fsync on every event's path to Redis.
 /// The correctness argument of the claim (`outbox._claim_shards`) needs each statement to see a fresh
 /// snapshot, i.e. READ COMMITTED, and the relay writes: a database or role default of
-/// repeatable read, serializable or read-only must not apply to the relay's transactions.
+/// repeatable read, serializable or read-only must not apply to the relay's transactions, nor a
+/// database's search_path to which operators its statements run.
 pub fn pin_session_settings() {
     for (name, value) in [
         (c"jit", c"off"),
@@ -99,6 +100,10 @@ pub fn pin_session_settings() {
         // values (PL/pgSQL's custom plans) the batch read cost over a millisecond a round to plan,
         // more than running it. Their generic plans are index walks whatever the values.
         (c"plan_cache_mode", c"force_generic_plan"),
+        // The relay runs as the bootstrap superuser; a database default search_path (which the
+        // database's owner may set) must not choose the operators and functions its statements
+        // resolve, or an owner's `=` in a schema listed first would run with superuser rights.
+        (c"search_path", c"pg_catalog, pg_temp"),
     ] {
         // SAFETY: static NUL-terminated strings; all are user-settable options.
         unsafe {

@@ -120,6 +120,9 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     let database_oid = pg_sys::Oid::from(arg.value() as u32);
     let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shared::MAX_RELAYS - 1);
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
+    // Before the first statement: the database's own settings (its search_path among them) were
+    // applied by the connection, and must not choose what the relay's statements run.
+    settings::pin_session_settings();
     // Until attach_signal_handlers ran, PostgreSQL's worker start-up ignored SIGHUP: a reload the
     // postmaster signalled in that window is lost. Reading the configuration once now catches it.
     // SAFETY: the documented way for a worker to re-read postgresql.conf, outside any transaction.
@@ -135,7 +138,6 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         Err(error) => (format!("oid {}", database_oid.to_u32()), error),
     };
 
-    settings::pin_session_settings();
     if !shared::register_relay(slot) {
         // The launcher gave up on this database meanwhile (dropped, filtered out).
         return;
