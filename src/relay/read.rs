@@ -25,15 +25,25 @@ const HELD_DUE: &str =
                         stream, created_at FROM outbox._held_due($1, $2, $3)";
 const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
 
-/// The argument types of CLAIM (HELD takes its first: the relay's pid).
+/// The argument types of CLAIM.
 const CLAIM_TYPES: [PgOid; 3] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID); 3];
 
-/// What a round on a kept claim reads instead of claiming: the shards this relay holds, their
-/// cursors, and the snapshot of now, taken after the commit flags (the statement's own snapshot),
-/// like the claim's.
-const HELD: &str = "SELECT s.shard, s.cursor::text, coalesce(s.window_upto, pg_catalog.pg_current_snapshot())::text, \
-                           s.window_max_id, s.window_last_id \
+/// What a round on a kept claim reads instead of claiming, per shard this relay holds: its cursor
+/// (`$2`, indexed by shard + 1, overrides it: where a round in flight leaves it), the window it
+/// publishes in parts and the position reached, the snapshot of now (the statement's own,
+/// taken after the commit flags, like the claim's), and the claim's bound for a lagging shard:
+/// the first snapshot recorded over a second ago ahead of the cursor (src/sql/relay/claim.sql).
+pub(crate) const HELD: &str = "SELECT s.shard, coalesce($2[s.shard + 1], s.cursor::text), s.window_upto::text, \
+                           s.window_max_id, s.window_last_id, pg_catalog.pg_current_snapshot()::text, \
+                           (SELECT p.snap::text FROM outbox.snapshots p \
+                             WHERE p.taken_at < pg_catalog.clock_timestamp() - interval '1 second' \
+                               AND pg_catalog.pg_snapshot_xmax(p.snap) > pg_catalog.pg_snapshot_xmax( \
+                                       coalesce($2[s.shard + 1]::pg_catalog.pg_snapshot, s.cursor)) \
+                             ORDER BY p.taken_at LIMIT 1) \
                       FROM outbox.shards s WHERE s.claimed_by = $1 ORDER BY s.shard";
+
+/// The argument types of HELD: the relay's pid and the cursors a round in flight leaves.
+const HELD_TYPES: [PgOid; 2] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID), PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID)];
 
 /// An idle shard's cursor is moved on this often, so that retention can see it has consumed a
 /// closed table; a shard with events moves at every batch.
@@ -172,7 +182,8 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             other => return Ok(Read::NotReady(other)),
         };
         if after.is_some_and(|after| after.installation != installation)
-            || (after.is_some() && state.kept_claim(installation, settings.share, settings.lease, false).is_none())
+            || (after.is_some()
+                && state.kept_claim(installation, settings.share, settings.lease, false, true).is_none())
         {
             return Ok(Read::Postponed);
         }
@@ -189,21 +200,49 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             batch.flags_taken = flagged_before;
             let mut claimed: Vec<Claimed> = Vec::new();
             let full_read = settings.full_read && after.is_none();
-            if let Some(kept) = state.kept_claim(installation, settings.share, settings.lease, full_read) {
-                // Nothing changes hands and the lease is fresh: only the cursors and "now" are
-                // read, and only if the shards are still exactly the kept ones.
+            if let Some(kept) =
+                state.kept_claim(installation, settings.share, settings.lease, full_read, after.is_some())
+            {
+                // Nothing changes hands and the lease is fresh: only the cursors, the windows and
+                // the bounds are read, and only if the shards are still exactly the kept ones.
+                // After a round in flight, from where it leaves the shards it moves (their next
+                // cursors and window positions), as if it had finished.
+                let left: Vec<&ShardBatch> =
+                    after.map(|after| after.shards.iter().filter(|s| s.advance).collect()).unwrap_or_default();
+                let mut cursors: Vec<Option<String>> = vec![None; crate::enqueue::order::SHARDS as usize];
+                for shard in &left {
+                    cursors[shard.shard as usize] = Some(shard.next_cursor.clone());
+                }
                 for row in client.select(
-                    state.statements.get(client, Statement::Held, HELD, &CLAIM_TYPES[..1])?,
+                    state.statements.get(client, Statement::Held, HELD, &HELD_TYPES)?,
                     None,
-                    &[settings.pid.into()],
+                    &[settings.pid.into(), cursors.into()],
                 )? {
+                    let shard = row.get::<i16>(1)?.unwrap_or_default();
+                    let stored = match row.get::<String>(3)? {
+                        Some(upto) => Some((upto, position(row.get::<i64>(4)?, row.get::<i64>(5)?))),
+                        None => None,
+                    };
+                    let window = match left.iter().find(|s| s.shard == shard) {
+                        Some(s) => s.window.clone().map(|(upto, position)| (upto, Some(position))),
+                        None => stored,
+                    };
+                    let now = row.get::<String>(6)?.unwrap_or_default();
+                    let recorded = row.get::<String>(7)?;
+                    // Like the claim: the window published in parts; else the first recorded
+                    // snapshot ahead of a lagging cursor; else now.
+                    let (upto, bounded, position) = match (window, recorded) {
+                        (Some((upto, position)), _) => (upto, false, position),
+                        (None, Some(recorded)) => (recorded, true, None),
+                        (None, None) => (now, false, None),
+                    };
                     claimed.push(Claimed {
-                        shard: row.get::<i16>(1)?.unwrap_or_default(),
+                        shard,
                         cursor: row.get::<String>(2)?.unwrap_or_default(),
                         age_ms: 0,
-                        upto: row.get::<String>(3)?.unwrap_or_default(),
-                        bounded: false,
-                        position: position(row.get::<i64>(4)?, row.get::<i64>(5)?),
+                        upto,
+                        bounded,
+                        position,
                     });
                 }
                 if !claimed.iter().map(|c| c.shard).eq(kept.iter().copied()) {
@@ -211,25 +250,10 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
                     claimed.clear();
                 }
             }
-            if let Some(after) = after {
-                if claimed.is_empty() {
-                    // The shards changed hands meanwhile: read after that round has finished.
-                    batch.give_back();
-                    return Ok(Read::Postponed);
-                }
-                // Where that round leaves its shards, once it finishes.
-                for c in &mut claimed {
-                    if let Some(left) = after.shards.iter().find(|s| s.shard == c.shard && s.advance) {
-                        c.cursor = left.next_cursor.clone();
-                        match &left.window {
-                            Some((upto, position)) => {
-                                c.upto = upto.clone();
-                                c.position = Some(*position);
-                            }
-                            None => c.position = None,
-                        }
-                    }
-                }
+            if after.is_some() && claimed.is_empty() {
+                // The shards changed hands meanwhile: read after that round has finished.
+                batch.give_back();
+                return Ok(Read::Postponed);
             }
             if claimed.is_empty() {
                 for row in client.update(
@@ -251,11 +275,12 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
                     });
                     held_any = row.get::<bool>(5)?.unwrap_or(true);
                 }
-                let keepable = !held_any && claimed.iter().all(|c| !c.bounded);
+                let keepable = !held_any;
                 state.keep_claim(installation, settings.share, claimed.iter().map(|c| c.shard).collect(), keepable);
             }
             // Outside a full read, only the shards that commits flagged since the last round,
-            // those this relay did not hold then, and those publishing a window in parts.
+            // those this relay did not hold then, those publishing a window in parts, and those
+            // catching up (their next window is read whether or not a commit flagged them).
             let mine: u32 = claimed.iter().fold(0, |mask, c| mask | 1u32 << (c.shard as u32 % 32));
             let (flagged, given_back) = shards_to_read(held_before, flagged_before, mine);
             if given_back != 0 {
@@ -273,7 +298,9 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             }
             let full = full_read;
             let shards: Vec<i16> = claimed.iter().map(|c| c.shard).collect();
-            claimed.retain(|c| full || c.position.is_some() || flagged & (1u32 << (c.shard as u32 % 32)) != 0);
+            claimed.retain(|c| {
+                full || c.position.is_some() || c.bounded || flagged & (1u32 << (c.shard as u32 % 32)) != 0
+            });
             let limit = settings.batch_size.min(i32::MAX as usize) as i32;
             batch.catching_up = claimed.iter().any(|c| c.bounded);
             batch.more |= batch.catching_up;

@@ -88,32 +88,49 @@ pub fn claim_kept_for(lease: Duration) -> Duration {
     (lease / 10).min(Duration::from_millis(100))
 }
 
+/// How long the reads made while a round is in flight may go on a kept claim: they cannot claim
+/// (the round in flight will still move its shards' cursors, so its shards must stay this relay's
+/// until it lands), and a drain that keeps a round in flight all the time would otherwise read
+/// every 100 ms with nothing in flight, Redis idle meanwhile. A tenth of the lease still leaves the
+/// lease, renewed by the claim after a third of it, far from expiring; what only a claim sees (a
+/// shard to take over, events an admin put back on the failure path) waits at most that long
+/// during a drain, and a relay that joins changes the share, which ends the kept claim at once.
+pub fn claim_kept_behind_flight(lease: Duration) -> Duration {
+    lease / 10
+}
+
 impl RoundState {
     /// The shards of the last full claim, if this round may keep it instead of claiming: not on a
     /// full read (which also moves idle cursors and probes everything), with the same installation
     /// and share, and within `claim_kept_for`. Only a claim that found nothing on the failure path
-    /// and no lagging shard is kept (`keep_claim`), and a finish that fails or holds events forgets
+    /// is kept (`keep_claim`), and a finish that fails or holds events forgets
     /// it. The round still reads its shards' rows and goes on only if they are exactly the kept
     /// ones: a shard taken over, freed by the reaper or rebased by a restore sends it back to the
     /// claim.
+    ///
+    /// `behind_flight`: the read is made while a round is in flight, and may keep the claim for
+    /// longer (`claim_kept_behind_flight`).
     pub fn kept_claim(
         &self,
         installation: pg_sys::Oid,
         share: usize,
         lease: Duration,
         full_read: bool,
+        behind_flight: bool,
     ) -> Option<Vec<i16>> {
         if full_read {
             return None;
         }
+        let kept_for = if behind_flight { claim_kept_behind_flight(lease) } else { claim_kept_for(lease) };
         self.kept_claim
             .as_ref()
-            .filter(|k| k.installation == installation && k.share == share && k.taken.elapsed() < claim_kept_for(lease))
+            .filter(|k| k.installation == installation && k.share == share && k.taken.elapsed() < kept_for)
             .map(|k| k.shards.clone())
     }
 
     /// Keeps a full claim's outcome (its shards) for the rounds that follow, when they may use it:
-    /// `keepable` when it found nothing on the failure path and no lagging shard.
+    /// `keepable` when it found nothing on the failure path (a lagging shard is no reason to claim
+    /// again: the kept claim's read finds the recorded snapshot it reads up to, like the claim).
     pub fn keep_claim(&mut self, installation: pg_sys::Oid, share: usize, shards: Vec<i16>, keepable: bool) {
         self.kept_claim =
             (keepable && !shards.is_empty()).then(|| KeptClaim { taken: Instant::now(), installation, share, shards });
@@ -127,7 +144,7 @@ impl RoundState {
 
 #[cfg(test)]
 mod tests {
-    use super::claim_kept_for;
+    use super::{claim_kept_behind_flight, claim_kept_for};
     use std::time::Duration;
 
     #[test]
@@ -136,5 +153,13 @@ mod tests {
         // A short lease (the tests' 300 ms): its renewal after a third of it is never skipped.
         assert_eq!(claim_kept_for(Duration::from_millis(300)), Duration::from_millis(30));
         assert_eq!(claim_kept_for(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[test]
+    fn behind_a_round_in_flight_a_claim_is_kept_for_a_tenth_of_the_lease() {
+        // The default lease: a drain claims every 3 s, not every 100 ms.
+        assert_eq!(claim_kept_behind_flight(Duration::from_secs(30)), Duration::from_secs(3));
+        // Renewed after a third of the lease, a claim kept this long never lets it expire.
+        assert!(claim_kept_behind_flight(Duration::from_millis(300)) * 3 < Duration::from_millis(300));
     }
 }

@@ -845,6 +845,40 @@ fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog(
 }
 
 #[pg_test]
+fn a_kept_claim_bounds_a_lagging_shard_like_the_claim_from_where_a_round_in_flight_leaves_it() {
+    take_all_shards();
+    Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 16, 30000)").unwrap();
+    Spi::run("UPDATE outbox.shards SET cursor = '100:100:' WHERE shard = 0").unwrap();
+    Spi::run(
+        "INSERT INTO outbox.snapshots VALUES (now() - interval '5 seconds', '150:160:155'),
+                                             (now() - interval '4 seconds', '170:180:'),
+                                             (clock_timestamp(), pg_current_snapshot())",
+    )
+    .unwrap();
+    let pid = Spi::get_one::<i32>("SELECT pg_backend_pid()").unwrap().unwrap();
+    // What the relay's kept-claim statement gives shard 0: the cursor it reads from and the
+    // recorded snapshot it reads up to (NULL: up to now), with `left` as the cursor a round in
+    // flight leaves it at.
+    let held = |left: Option<&str>| {
+        let mut cursors: Vec<Option<String>> = vec![None; 16];
+        cursors[0] = left.map(str::to_string);
+        Spi::get_one_with_args::<String>(
+            &format!(
+                "SELECT h.cursor || ' ' || coalesce(h.recorded, 'now')
+                   FROM ({}) h(shard, cursor, window_upto, max_id, last_id, now, recorded) WHERE h.shard = 0",
+                crate::relay::read::HELD
+            ),
+            &[pid.into(), cursors.into()],
+        )
+        .unwrap()
+        .unwrap()
+    };
+    assert_eq!(held(None), "100:100: 150:160:155", "from the stored cursor: the claim's bound");
+    assert_eq!(held(Some("150:160:155")), "150:160:155 170:180:", "from where a round in flight leaves it: the next");
+    assert_eq!(held(Some("170:180:")), "170:180: now", "within a second of now: up to now");
+}
+
+#[pg_test]
 fn finishing_moves_only_the_shards_this_relay_holds_and_advances_the_counters() {
     take_all_shards();
     Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 1, 30000)").unwrap();
