@@ -798,10 +798,9 @@ fn shards_are_claimed_up_to_a_share_with_a_lease_and_reaped() {
     assert_eq!(code, "ERRCODE_CHECK_VIOLATION", "{message}");
 }
 
-#[pg_test]
-fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog() {
-    take_all_shards();
-    // Shard 0 is behind two snapshots recorded over a second ago; the third is recent.
+/// Puts shard 0 behind two snapshots recorded over a second ago (150:160:155, then 170:180:); a
+/// third, recent one is not a bound yet.
+fn lag_shard_zero() {
     Spi::run("UPDATE outbox.shards SET cursor = '100:100:' WHERE shard = 0").unwrap();
     Spi::run(
         "INSERT INTO outbox.snapshots VALUES (now() - interval '5 seconds', '150:160:155'),
@@ -809,6 +808,12 @@ fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog(
                                              (clock_timestamp(), pg_current_snapshot())",
     )
     .unwrap();
+}
+
+#[pg_test]
+fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog() {
+    take_all_shards();
+    lag_shard_zero();
     let claim = |shard: i32| {
         Spi::get_one_with_args::<String>(
             "SELECT upto || ' ' || bounded FROM outbox._claim_shards(pg_backend_pid(), 16, 30000) WHERE shard = $1",
@@ -848,13 +853,7 @@ fn a_lagging_shard_reads_up_to_the_next_recorded_snapshot_not_the_whole_backlog(
 fn a_kept_claim_bounds_a_lagging_shard_like_the_claim_from_where_a_round_in_flight_leaves_it() {
     take_all_shards();
     Spi::run("SELECT outbox._claim_shards(pg_backend_pid(), 16, 30000)").unwrap();
-    Spi::run("UPDATE outbox.shards SET cursor = '100:100:' WHERE shard = 0").unwrap();
-    Spi::run(
-        "INSERT INTO outbox.snapshots VALUES (now() - interval '5 seconds', '150:160:155'),
-                                             (now() - interval '4 seconds', '170:180:'),
-                                             (clock_timestamp(), pg_current_snapshot())",
-    )
-    .unwrap();
+    lag_shard_zero();
     let pid = Spi::get_one::<i32>("SELECT pg_backend_pid()").unwrap().unwrap();
     // What the relay's kept-claim statement gives shard 0: the cursor it reads from and the
     // recorded snapshot it reads up to (NULL: up to now), with `left` as the cursor a round in
