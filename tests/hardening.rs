@@ -526,3 +526,33 @@ fn a_database_search_path_never_chooses_the_operators_the_relay_runs() {
         .get(0);
     assert_eq!(by_relays, "", "the relay ran an operator the database's search_path chose");
 }
+
+#[test]
+fn a_database_owner_cannot_change_who_the_relay_runs_as() {
+    // `ALTER DATABASE ... SET role` and `SET session_authorization` are open to the database's
+    // owner and applied to every connection, the relay's too: it then ran as the owner, was refused
+    // its own tables, and published nothing until a superuser removed the setting.
+    let env = Env::start(&[]);
+    let mut admin = env.pg.connect();
+    admin.batch_execute("CREATE ROLE owner LOGIN; ALTER DATABASE postgres OWNER TO owner").unwrap();
+    let mut owner = connect_as(&env.pg, "owner", "postgres");
+    owner
+        .batch_execute(
+            "ALTER DATABASE postgres SET session_authorization = owner;
+             ALTER DATABASE postgres SET role = owner;",
+        )
+        .unwrap();
+    drop((admin, owner));
+    // The relay reads the database's settings when it connects.
+    env.pg.pg_ctl_stop("fast");
+    env.pg.pg_ctl_start();
+    let mut client = env.pg.connect();
+    let became: String = client.query_one("SELECT current_user::text", &[]).unwrap().get(0);
+    assert_eq!(became, "owner", "the settings apply to a superuser's connection too");
+    client.batch_execute("SET SESSION AUTHORIZATION postgres; SET ROLE NONE").unwrap();
+    client.batch_execute("SELECT outbox_enqueue('owned', i, 'e', '{}') FROM generate_series(1, 100) i").unwrap();
+    wait_for(DEADLINE, "the events published by a relay that runs as the superuser it connected as", || {
+        (status_counts(&mut client).get("published").copied() == Some(100)).then_some(())
+    });
+    assert!(!env.pg.log().contains("permission denied"), "{}", env.pg.log());
+}

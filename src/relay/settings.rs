@@ -117,6 +117,24 @@ pub fn pin_session_settings() {
     }
 }
 
+/// Who the relay runs as: the bootstrap superuser it connected as, whatever the database says.
+/// `ALTER DATABASE ... SET role` (or `session_authorization`) is open to the database's owner, and
+/// the connection applies it to the relay too: it then ran as that owner, was refused its own
+/// tables, and published nothing until a superuser removed the setting. Pinned like the other
+/// session settings, over the database's value; inside a transaction (both look the role up).
+pub fn pin_identity() {
+    // SAFETY: inside a transaction, as the settings' check hooks need; GetUserNameFromId raises
+    // for a missing role, and the authenticated user exists. Static NUL-terminated names.
+    unsafe {
+        let connected_as = pg_sys::GetUserNameFromId(pg_sys::GetAuthenticatedUserId(), false);
+        for (name, value) in
+            [(c"session_authorization".as_ptr(), connected_as.cast_const()), (c"role".as_ptr(), c"none".as_ptr())]
+        {
+            pg_sys::SetConfigOption(name, value, pg_sys::GucContext::PGC_SUSET, pg_sys::GucSource::PGC_S_OVERRIDE);
+        }
+    }
+}
+
 /// Settings that work but give up part of a guarantee, logged at start and after each reload, by
 /// relay 0 only. A lease must outlive a round: while a relay waits on Redis, its shards' lease has
 /// to stay valid, or other relays take them over and publish the same events a second time. A round

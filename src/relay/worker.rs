@@ -127,7 +127,10 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     // postmaster signalled in that window is lost. Reading the configuration once now catches it.
     // SAFETY: the documented way for a worker to re-read postgresql.conf, outside any transaction.
     unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
-    let (database, own_settings) = match txn::run(|| Ok::<_, String>((current_database(), adopt_own_settings()))) {
+    let (database, own_settings) = match txn::run(|| {
+        settings::pin_identity();
+        Ok::<_, String>((current_database(), adopt_own_settings()))
+    }) {
         Ok((database, Some(own_settings))) => (database, own_settings),
         Ok((database, None)) => {
             log!(
