@@ -999,3 +999,92 @@ fn a_hung_relay_loses_all_its_shards_and_a_burst_on_every_shard_arrives_while_it
         (held == 8).then_some(())
     });
 }
+
+/// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).
+fn exited(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit_once(')').is_none_or(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// The processes whose parent is `parent`, from /proc.
+fn children_of(parent: i32) -> Vec<i32> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        // "pid (comm) state ppid ...": the comm may hold blanks, so split after its ')'.
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        if ppid == Some(parent) {
+            children.push(pid);
+        }
+    }
+    children
+}
+
+#[test]
+fn a_relay_orphaned_by_a_killed_postmaster_stops_publishing_at_once() {
+    // PostgreSQL reports the postmaster's death to a worker through its latch wait, and a drain
+    // never waits: an orphaned relay went on draining, rounds whose finishes (asynchronous commits,
+    // no WAL writer left) the restarted server never saw, so all of them were published again.
+    let env = Env::start(&["outbox.batch_size = 20", "outbox.poll_interval = '100ms'"]);
+    let ledger = SharedLedger::default();
+    let mut client = env.pg.connect();
+    env.pg.set(&mut client, &[("outbox.enabled", "off")]);
+    // Ten rounds' worth at least (a round takes up to 10,000 events).
+    let backlog = 200_000usize;
+    for _ in 0..4 {
+        let mut txn = client.transaction().unwrap();
+        let events = txn
+            .query(
+                "SELECT outbox_enqueue('orphan', (i % 50)::text, 'scenario.event', '{}')::text, (i % 50)::text
+                   FROM generate_series(1, $1) i",
+                &[&(backlog as i32 / 4)],
+            )
+            .unwrap()
+            .iter()
+            .map(|row| LedgerEvent {
+                event_id: row.get(0),
+                aggregate_type: "orphan".to_string(),
+                aggregate_id: row.get(1),
+            })
+            .collect();
+        txn.commit().unwrap();
+        ledger.lock().unwrap().committed.push(events);
+    }
+    let relay = wait_for(DEADLINE, "a relay", || env.pg.backend_pids(&mut client, "outbox_pg relay").first().copied());
+    let before = env.redis.total_entries();
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    poll_fast("the relay to start draining the backlog", || (env.redis.total_entries() > before).then_some(()));
+    let postmaster: i32 = std::fs::read_to_string(env.pg.data.join("postmaster.pid"))
+        .unwrap()
+        .lines()
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let children = children_of(postmaster);
+    assert!(children.contains(&relay), "the relay {relay} is a child of the postmaster {postmaster}: {children:?}");
+    drop(client);
+    env.pg.kill_9(postmaster);
+    wait_for(DEADLINE, "the orphaned relay to exit", || exited(relay).then_some(()));
+    let published = env.redis.total_entries() - before;
+    // The relay stops within a round or two of 10,000 events, where it used to drain the whole
+    // backlog.
+    assert!(
+        published < backlog / 2,
+        "the orphaned relay published {published} of the {backlog} backlog's events after the postmaster died"
+    );
+    // The new postmaster refuses to start while the old one's pid is still a process (a zombie
+    // not reaped yet counts) or a process still uses its shared memory.
+    wait_for(DEADLINE, "every orphaned server process to exit", || {
+        (children.iter().all(|&pid| exited(pid)) && !std::path::Path::new(&format!("/proc/{postmaster}")).exists())
+            .then_some(())
+    });
+    env.pg.pg_ctl_start();
+    let mut client = env.pg.connect_eventually();
+    wait_drained(&mut client);
+    check_invariants("postmaster killed mid-drain", &env.pg, &env.redis, &ledger, Expect { duplicates: true });
+}

@@ -728,12 +728,20 @@ fn current_database() -> String {
     }
 }
 
-/// Whether the relay was asked to stop (SIGTERM: `pg_terminate_backend`, shutdown, the launcher).
-/// pgrx's flag is cleared when read; this one stays set once seen, so that every place that asks
-/// gets the same answer.
+/// Whether the relay was asked to stop (SIGTERM: `pg_terminate_backend`, shutdown, the launcher),
+/// or the postmaster is gone. pgrx's flag is cleared when read; this one stays set once seen, so
+/// that every place that asks gets the same answer.
+///
+/// The postmaster's death is otherwise seen only by the latch wait, and a drain never waits: after
+/// a `kill -9` of the postmaster an orphaned relay went on publishing for 4.5 s, rounds whose
+/// finishes (asynchronous commits, the WAL writer gone) the restarted server never saw, so 162,000
+/// events were published twice instead of one round's worth.
 fn stop_requested() -> bool {
     static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if BackgroundWorker::sigterm_received() {
+    // SAFETY: getppid has no preconditions; PostmasterPid is set before any worker starts. An
+    // orphan is adopted by another process, so its parent is then no longer the postmaster.
+    let orphaned = unsafe { libc::getppid() != pg_sys::PostmasterPid };
+    if BackgroundWorker::sigterm_received() || orphaned {
         STOPPING.store(true, std::sync::atomic::Ordering::SeqCst);
     }
     STOPPING.load(std::sync::atomic::Ordering::SeqCst)
