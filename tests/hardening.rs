@@ -32,6 +32,14 @@ fn connect_as(pg: &Cluster, user: &str, database: &str) -> postgres::Client {
     .unwrap()
 }
 
+/// Restarts the cluster so that `ALTER DATABASE ... SET` applies to the relay (it reads the
+/// database's settings when it connects), and connects again.
+fn restart_with_database_settings(env: &Env) -> postgres::Client {
+    env.pg.pg_ctl_stop("fast");
+    env.pg.pg_ctl_start();
+    env.pg.connect()
+}
+
 /// Everything a role can read about the settings, as one text.
 fn every_visible_setting(client: &mut postgres::Client) -> String {
     let mut seen: String =
@@ -434,9 +442,7 @@ fn relays_keep_their_own_transaction_rules_and_warn_about_a_lease_shorter_than_r
         )
         .unwrap();
     drop(admin);
-    env.pg.pg_ctl_stop("fast");
-    env.pg.pg_ctl_start();
-    let mut client = env.pg.connect();
+    let mut client = restart_with_database_settings(&env);
     let isolation: String = client.query_one("SHOW default_transaction_isolation", &[]).unwrap().get(0);
     assert_eq!(isolation, "serializable", "the database default applies to sessions");
     client.batch_execute("SET default_transaction_read_only = off").unwrap();
@@ -491,10 +497,7 @@ fn a_database_search_path_never_chooses_the_operators_the_relay_runs() {
         ))
         .unwrap();
     drop(admin);
-    // The relay reads the database's settings when it connects.
-    env.pg.pg_ctl_stop("fast");
-    env.pg.pg_ctl_start();
-    let mut client = env.pg.connect();
+    let mut client = restart_with_database_settings(&env);
     client.batch_execute("SET search_path = pg_catalog, public").unwrap();
     for _ in 0..20 {
         client.batch_execute("SELECT outbox_enqueue('path', i % 7, 'e', '{}') FROM generate_series(1, 50) i").unwrap();
@@ -543,10 +546,7 @@ fn a_database_owner_cannot_change_who_the_relay_runs_as() {
         )
         .unwrap();
     drop((admin, owner));
-    // The relay reads the database's settings when it connects.
-    env.pg.pg_ctl_stop("fast");
-    env.pg.pg_ctl_start();
-    let mut client = env.pg.connect();
+    let mut client = restart_with_database_settings(&env);
     let became: String = client.query_one("SELECT current_user::text", &[]).unwrap().get(0);
     assert_eq!(became, "owner", "the settings apply to a superuser's connection too");
     client.batch_execute("SET SESSION AUTHORIZATION postgres; SET ROLE NONE").unwrap();
