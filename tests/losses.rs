@@ -97,6 +97,10 @@ fn moving_to_another_database_of_the_same_redis_is_no_loss() {
         (stored == 1).then_some(())
     });
     env.pg.set(&mut client, &[("outbox.redis_url", &format!("{}/1", env.redis.url()))]);
+    // pg_reload_conf() only signals: an event enqueued before the relay applied the reload would
+    // rightly go to database 0.
+    let moved = format!("after the reload, Redis is 127.0.0.1:{} db 1 (was", env.redis.port);
+    wait_for(DEADLINE, "the relay to apply the reload", || env.pg.log().contains(&moved).then_some(()));
     let published_to_db1 = |client: &mut postgres::Client, n: i64| {
         enqueue_to(client, "other", "1", None);
         wait_for(DEADLINE, "the event in database 1", || (xlen(&env, 1, "outbox:other") == n).then_some(()));

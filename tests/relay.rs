@@ -374,10 +374,10 @@ fn reload_with_a_new_redis_url_and_password_file_is_honoured() {
         &mut client,
         &[("outbox.redis_url", &secured.url()), ("outbox.redis_password_file", password_file.to_str().unwrap())],
     );
-    wait_for(DEADLINE, "the reload to reach this session", || {
-        let shown: String = client.query_one("SHOW outbox.redis_url", &[]).unwrap().get(0);
-        (shown == secured.url()).then_some(())
-    });
+    // pg_reload_conf() only signals: an event enqueued before the relay applied the reload would
+    // rightly go to the old Redis.
+    let moved = format!("after the reload, Redis is 127.0.0.1:{} (was", secured.port);
+    wait_for(DEADLINE, "the relay to apply the reload", || env.pg.log().contains(&moved).then_some(()));
     enqueue(&mut client, "reload", "2", "{}");
     let entries = secured.wait_for_entries("outbox:reload", 1);
     assert_eq!(entries[0]["aggregate_id"], "2");

@@ -103,26 +103,18 @@ impl RedisSink {
         self.nodes.clear();
     }
 
-    /// Where this sink publishes, for log lines: hosts and ports only, never credentials.
+    /// Where this sink publishes, for log lines and `outbox.stream_marks.target`: hosts and
+    /// ports only, never credentials, and the logical database when not 0 (a Cluster has only 0).
+    /// The marks of one database say nothing of another's, on the same server or not, and a
+    /// reload that moves the relay to another database is logged like one that moves its server.
     pub fn describe(&self) -> String {
         let Some(config) = &self.config else { return "(unconfigured)".into() };
         let nodes = describe_target(&config.url);
-        match config.mode {
+        let described = match config.mode {
             RedisMode::Standalone => nodes,
             RedisMode::Sentinel => format!("master \"{}\" of sentinels {nodes}", config.sentinel_master),
-            RedisMode::Cluster => format!("cluster {nodes}"),
-        }
-    }
-
-    /// Which Redis deployment the stream marks are of (`outbox.stream_marks.target`): `describe`,
-    /// and the logical database when not 0 (a Cluster has only 0). The marks of one database say
-    /// nothing of another's, on the same server or not.
-    pub fn marks_target(&self) -> String {
-        let described = self.describe();
-        let Some(config) = &self.config else { return described };
-        if config.mode == RedisMode::Cluster {
-            return described;
-        }
+            RedisMode::Cluster => return format!("cluster {nodes}"),
+        };
         let db = node_infos(&config.url, None)
             .ok()
             .and_then(|nodes| nodes.first().map(|info| info.redis_settings().db()))
@@ -132,6 +124,11 @@ impl RedisSink {
         } else {
             format!("{described} db {db}")
         }
+    }
+
+    /// Which Redis deployment the stream marks are of (`outbox.stream_marks.target`).
+    pub fn marks_target(&self) -> String {
+        self.describe()
     }
 
     /// Streams whose marks were forgotten to stay within `MAX_STREAMS` (src/sink/marks.rs).
