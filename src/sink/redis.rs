@@ -672,6 +672,10 @@ struct InFlight {
     pipeline: Pipeline,
 }
 
+/// What an XADD takes in a pipeline beyond its event's variable texts (`single_pipeline`'s
+/// estimate): its command and field names, event id, timestamp, numbers and RESP framing.
+const ENTRY_FIXED_BYTES: usize = 384;
+
 /// The one MULTI/EXEC block of a single node's exchange: the events at `indexes` to their `keys`,
 /// and the WAIT for replicas when asked.
 fn single_pipeline(
@@ -682,7 +686,23 @@ fn single_pipeline(
     wait_replicas: u32,
     timeout: std::time::Duration,
 ) -> Pipeline {
-    let mut pipeline = Pipeline::default();
+    // The variable parts of each entry, and a generous allowance for its field names, ids,
+    // timestamp and RESP framing.
+    let estimate: usize = indexes
+        .iter()
+        .zip(keys)
+        .map(|(&index, key)| {
+            let event = &events[index];
+            ENTRY_FIXED_BYTES
+                + key.len()
+                + event.payload.len()
+                + event.headers.as_ref().map_or(0, String::len)
+                + event.aggregate_type.len()
+                + event.aggregate_id.len()
+                + event.event_type.len()
+        })
+        .sum();
+    let mut pipeline = Pipeline::with_capacity(estimate + 64);
     pipeline.begin_block(false);
     for (&index, key) in indexes.iter().zip(keys) {
         xadd.write(&mut pipeline, &events[index], key);
