@@ -199,7 +199,7 @@ pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) 
 #[cfg(test)]
 mod tests {
     use super::{deferred_by_stream_change, next_pipeline, PipelineLimits, Source};
-    use crate::relay::read::{distinct_aggregates, shards_to_read};
+    use crate::relay::read::{allowance_order, distinct_aggregates, shards_to_read};
     use crate::sink::entry::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
@@ -249,6 +249,20 @@ mod tests {
         assert_eq!(given_back, 0b0000_0011);
         // Kept and flagged: read; kept and not flagged: not read.
         assert_eq!(shards_to_read(0b0110, 0b0100, 0b0110), (0b0100, 0));
+    }
+
+    #[test]
+    fn lagging_shards_take_turns_at_the_rounds_allowance() {
+        // Windows of shards 0-15, those of 2 and 9 published in parts; the last round's allowance
+        // did not reach shard 12.
+        let mut shards: Vec<(i16, bool)> = (0..16).map(|shard| (shard, shard == 2 || shard == 9)).collect();
+        shards.sort_by_key(|&(shard, in_parts)| allowance_order(shard, in_parts, 12));
+        let order: Vec<i16> = shards.iter().map(|&(shard, _)| shard).collect();
+        assert_eq!(order, [12, 13, 14, 15, 0, 1, 3, 4, 5, 6, 7, 8, 10, 11, 2, 9]);
+        // A relay's first round starts from shard 0.
+        shards.sort_by_key(|&(shard, in_parts)| allowance_order(shard, in_parts, 0));
+        assert_eq!(shards[0], (0, false));
+        assert_eq!(shards[14], (2, true));
     }
 
     #[test]

@@ -157,6 +157,16 @@ pub fn shards_to_read(held_before: u32, flagged_before: u32, mine: u32) -> (u32,
     ((flagged_before & mine) | (mine & !held_before), flagged_before & !mine)
 }
 
+/// Where a claimed shard comes in the order a round's allowance is shared in: windows that fit
+/// before windows published in parts (a bulk transaction's window takes what the live ones leave),
+/// and within each kind from shard `first` up, wrapping around. `first` is the first shard the
+/// previous round's allowance did not reach: while several shards lag, always starting from
+/// shard 0 gave the low shards every round and left the high ones for the end of the drain.
+pub fn allowance_order(shard: i16, in_parts: bool, first: i16) -> (bool, i16) {
+    let shards = crate::enqueue::order::SHARDS as i16;
+    (in_parts, (shard - first).rem_euclid(shards))
+}
+
 /// Claims this relay's shards and reads a round: each shard's whole window (every event committed
 /// between its cursor and the claim's snapshot, or, for a shard more than a second behind, the
 /// next recorded snapshot, as much of it as a round takes; see "Rounds are bounded" and
@@ -305,8 +315,10 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             batch.catching_up = claimed.iter().any(|c| c.bounded);
             batch.more |= batch.catching_up;
             // Windows that fit are read whole first; windows published in parts share what is
-            // left of the round's allowance (src/log/window.rs).
-            claimed.sort_by_key(|c| (c.position.is_some(), c.shard));
+            // left of the round's allowance (src/log/window.rs). Each kind from the shard the
+            // last round's allowance did not reach, so that shards lagging together take turns.
+            claimed.sort_by_key(|c| allowance_order(c.shard, c.position.is_some(), state.first_shard));
+            let mut first_unread = None;
             let mut budget = Budget::round();
             let mut log = Vec::new();
             let mut unread = 0u32;
@@ -335,6 +347,7 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
                     // no position is stored, so only a flag sends the next round (a read on the
                     // kept claim reads flagged shards only) back to it.
                     unread |= 1u32 << (c.shard as u32 % 32);
+                    first_unread = first_unread.or(Some(c.shard));
                 }
                 let window = (!read.complete).then(|| (c.upto.clone(), read.position.unwrap_or((i64::MIN, i64::MIN))));
                 batch.shards.push(ShardBatch {
@@ -348,6 +361,9 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             }
             if unread != 0 {
                 shared::mark_shards_committed(unread);
+            }
+            if let Some(shard) = first_unread {
+                state.first_shard = shard;
             }
             if held_any {
                 let held =

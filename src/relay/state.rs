@@ -21,6 +21,8 @@ pub struct RoundState {
     kept_claim: Option<KeptClaim>,
     /// The shards this relay held at its last round (one bit each).
     pub held_shards: u32,
+    /// The shard the next round's allowance goes to first (src/relay/read.rs, `allowance_order`).
+    pub first_shard: i16,
     /// The transactions of the windows this relay publishes in parts (src/log/window.rs).
     pub plans: WindowPlans,
     /// The installation last found at the library's version, and when: the version is read again
