@@ -435,10 +435,17 @@ fn a_settle_never_marks_the_events_of_a_newer_installation() {
 fn relays_keep_their_own_transaction_rules_and_warn_about_a_lease_shorter_than_redis_waits() {
     let env = Env::start(&["outbox.lease = '1s'", "outbox.redis_timeout = '2s'", "outbox.workers = 2"]);
     let mut admin = env.pg.connect();
+    // With settings whose names are not all lower case (TimeZone, DateStyle, IntervalStyle): the
+    // relay compared pg_settings' names with the catalog's lowered ones, took every such setting
+    // for one removed since it connected, and restarted about once a second, publishing nothing
+    // (found by attack).
     admin
         .batch_execute(
             "ALTER DATABASE postgres SET default_transaction_isolation = 'serializable';
-             ALTER DATABASE postgres SET default_transaction_read_only = on;",
+             ALTER DATABASE postgres SET default_transaction_read_only = on;
+             ALTER DATABASE postgres SET timezone = 'Asia/Kathmandu';
+             ALTER DATABASE postgres SET datestyle = 'SQL, DMY';
+             ALTER DATABASE postgres SET intervalstyle = 'sql_standard';",
         )
         .unwrap();
     drop(admin);
@@ -465,6 +472,10 @@ fn relays_keep_their_own_transaction_rules_and_warn_about_a_lease_shorter_than_r
         }
     }
     assert_eq!(seen.len(), 1000);
+    // created_at in UTC, RFC 3339, whatever the database's time zone and date style.
+    let created_at = env.redis.entries("outbox:strict")[0]["created_at"].clone();
+    assert!(created_at.starts_with("20") && created_at.ends_with('Z') && created_at.contains('T'), "{created_at}");
+    assert!(!env.pg.log().contains("was reset while the relay connected"), "{}", env.pg.log());
     assert!(
         env.pg.log().contains("outbox.lease (1.0s) is shorter than twice outbox.redis_timeout (2.0s)"),
         "{}",

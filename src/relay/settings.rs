@@ -70,7 +70,7 @@ pub fn adopt_own_settings() -> Option<String> {
     const REMOVED: &str = "SELECT EXISTS (
                              SELECT 1 FROM pg_settings
                               WHERE source IN ('database', 'user', 'database user', 'global')
-                                AND name NOT IN (SELECT lower(split_part(unnest(setconfig), '=', 1))
+                                AND lower(name) NOT IN (SELECT lower(split_part(unnest(setconfig), '=', 1))
                                                    FROM pg_db_role_setting
                                                   WHERE setdatabase IN (0, (SELECT oid FROM pg_database WHERE datname = current_database()))
                                                     AND setrole IN (0, (SELECT oid FROM pg_roles WHERE rolname = session_user))))";
