@@ -73,9 +73,10 @@ pub struct Budget {
 }
 
 impl Budget {
-    /// A whole round's.
-    pub fn round() -> Budget {
-        Budget { events: ROUND_EVENTS, bytes: ROUND_BYTES, taken: 0 }
+    /// A round's of at most `events` events (fewer than `ROUND_EVENTS` after exchanges that timed
+    /// out: src/relay/state.rs, `RoundAllowance`).
+    pub fn round_of(events: usize) -> Budget {
+        Budget { events: events.clamp(1, ROUND_EVENTS), bytes: ROUND_BYTES, taken: 0 }
     }
 
     pub fn exhausted(&self) -> bool {

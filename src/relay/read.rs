@@ -319,7 +319,7 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             // last round's allowance did not reach, so that shards lagging together take turns.
             claimed.sort_by_key(|c| allowance_order(c.shard, c.position.is_some(), state.first_shard));
             let mut first_unread = None;
-            let mut budget = Budget::round();
+            let mut budget = Budget::round_of(state.allowance.events());
             let mut log = Vec::new();
             let mut unread = 0u32;
             for c in &claimed {

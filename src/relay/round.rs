@@ -236,7 +236,10 @@ fn run(
                     in_flight: true,
                 };
             }
-            Err(error) => return TickOutcome::BrokerDown { error, published: 0 },
+            Err(error) => {
+                after_timeout(state, claimed, &error);
+                return TickOutcome::BrokerDown { error, published: 0 };
+            }
         }
     }
 
@@ -269,11 +272,28 @@ fn run(
             .and_then(|outcomes| tally.count(&chunk_sources, &chunk, outcomes, settings, &mut settlement));
         if let Err(error) = counted {
             timings.publish += started.elapsed();
+            after_timeout(state, claimed, &error);
             return TickOutcome::BrokerDown { error, published: tally.published };
         }
     }
     timings.publish += started.elapsed();
+    state.allowance.landed(Instant::now());
     settle(batch, settlement, tally, claimed, settings, state, timings)
+}
+
+/// A round of `events` events failed with `error`: if Redis did not answer it in time, the next
+/// rounds are smaller (`RoundAllowance`, src/relay/state.rs), said once per halving.
+fn after_timeout(state: &mut RoundState, events: usize, error: &BrokerError) {
+    if !error.is_timeout() {
+        return;
+    }
+    if let Some(limit) = state.allowance.timed_out(events, Instant::now()) {
+        pgrx::warning!(
+            "outbox_pg: Redis did not answer a round of {events} events within outbox.redis_timeout ({}); the next \
+             rounds take at most {limit} events, twice as many after each second without a timeout",
+            crate::relay::health::human(crate::guc::redis_timeout())
+        );
+    }
 }
 
 /// Reads the replies of a round in flight and finishes it; whether it went cleanly: every entry
@@ -293,8 +313,10 @@ fn land(
         .and_then(|outcomes| tally.count(&sources, &events, outcomes, &settings, &mut settlement));
     timings.publish += started.elapsed();
     if let Err(error) = counted {
+        after_timeout(state, claimed, &error);
         return (TickOutcome::BrokerDown { error, published: tally.published }, false);
     }
+    state.allowance.landed(Instant::now());
     let clean = settlement.hold.is_empty() && tally.rejected == 0;
     timings.shards_held = Some(batch.shards.len());
     let outcome = settle(batch, settlement, tally, claimed, &settings, state, timings);

@@ -10,7 +10,7 @@ use pgrx::prelude::*;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient};
 use pgrx::PgOid;
 
-use crate::log::window::WindowPlans;
+use crate::log::window::{WindowPlans, ROUND_EVENTS};
 use crate::relay::round::Flight;
 
 /// A relay's state between rounds (see the module's header).
@@ -30,6 +30,52 @@ pub struct RoundState {
     pub version_checked: Option<(pg_sys::Oid, Instant)>,
     /// A round sent to Redis and not landed yet (src/relay/round.rs, `tick`).
     pub flight: Option<Flight>,
+    /// How many events a round may take: fewer after exchanges that timed out.
+    pub allowance: RoundAllowance,
+}
+
+/// How many events a round takes: `ROUND_EVENTS`, or fewer while Redis does not answer a whole
+/// round within `outbox.redis_timeout`. A round whose exchange timed out is read and sent again
+/// after the backoff (Redis may have executed it: at least once); at the same size it would time
+/// out again, for good, each attempt adding the whole round to the streams once more (found by
+/// attack: a 10 ms timeout and a 9,000-event transaction put 36,000 entries in Redis in 75 s and
+/// published nothing). So each timed-out round halves the allowance, down to one event, and it
+/// doubles again after each second without a timeout: a Redis that is merely slow gets rounds it
+/// can answer in time, and the duplicates of a timed-out round are bounded by the halving.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RoundAllowance {
+    /// The limit below `ROUND_EVENTS`, and since when it holds (None: a full round).
+    limit: Option<(usize, Instant)>,
+}
+
+impl RoundAllowance {
+    /// At most how many events the next round takes.
+    pub fn events(&self) -> usize {
+        self.limit.map_or(ROUND_EVENTS, |(limit, _)| limit)
+    }
+
+    /// A round of `events` events timed out at `now`: the next rounds take half as many. The new
+    /// limit, when this lowered it. A round larger than the limit was read before it was set (the
+    /// read made while a round was in flight) and says nothing new.
+    pub fn timed_out(&mut self, events: usize, now: Instant) -> Option<usize> {
+        let limit = (events / 2).max(1);
+        if events > self.events() || limit >= self.events() {
+            return None;
+        }
+        self.limit = Some((limit, now));
+        Some(limit)
+    }
+
+    /// A round landed at `now`: a limit that has held for a second doubles (and goes away at
+    /// `ROUND_EVENTS`).
+    pub fn landed(&mut self, now: Instant) {
+        if let Some((limit, since)) = self.limit {
+            if now.duration_since(since) >= Duration::from_secs(1) {
+                let doubled = limit.saturating_mul(2);
+                self.limit = (doubled < ROUND_EVENTS).then_some((doubled, now));
+            }
+        }
+    }
 }
 
 /// The round's statements that run most often, prepared once per relay and kept (`SPI_keepplan`):
@@ -146,8 +192,46 @@ impl RoundState {
 
 #[cfg(test)]
 mod tests {
-    use super::{claim_kept_behind_flight, claim_kept_for};
-    use std::time::Duration;
+    use super::{claim_kept_behind_flight, claim_kept_for, RoundAllowance};
+    use crate::log::window::ROUND_EVENTS;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn rounds_halve_after_each_timeout_and_double_after_each_quiet_second() {
+        let start = Instant::now();
+        let mut allowance = RoundAllowance::default();
+        assert_eq!(allowance.events(), ROUND_EVENTS);
+        // A round of 9,000 events timed out, then one of what was allowed.
+        assert_eq!(allowance.timed_out(9_000, start), Some(4_500));
+        assert_eq!(allowance.timed_out(4_500, start), Some(2_250));
+        // A smaller round than allowed (the backlog's end) halves from its own size.
+        assert_eq!(allowance.timed_out(100, start), Some(50));
+        // A later timeout of a round larger than allowed (one read before the limit) lowers nothing.
+        assert_eq!(allowance.timed_out(9_000, start), None);
+        assert_eq!(allowance.events(), 50);
+        // Never below one event.
+        for _ in 0..10 {
+            allowance.timed_out(allowance.events(), start);
+        }
+        assert_eq!(allowance.events(), 1);
+        assert_eq!(allowance.timed_out(1, start), None);
+        // Rounds that land within the second change nothing; after it, the limit doubles, once
+        // per second.
+        allowance.landed(start + Duration::from_millis(999));
+        assert_eq!(allowance.events(), 1);
+        allowance.landed(start + Duration::from_secs(1));
+        assert_eq!(allowance.events(), 2);
+        allowance.landed(start + Duration::from_millis(1_500));
+        assert_eq!(allowance.events(), 2);
+        let mut now = start + Duration::from_secs(1);
+        while allowance.events() < ROUND_EVENTS {
+            now += Duration::from_secs(1);
+            allowance.landed(now);
+        }
+        // From 1 to the full 10,000 in 14 quiet seconds, and then the limit is gone.
+        assert_eq!(now.duration_since(start), Duration::from_secs(14));
+        assert_eq!(allowance, RoundAllowance::default());
+    }
 
     #[test]
     fn a_claim_is_kept_for_a_tenth_of_the_lease_and_at_most_100_ms() {

@@ -70,6 +70,16 @@ impl TlsFiles {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BrokerError(pub String);
 
+/// What a `BrokerError` says when an exchange outlasted `outbox.redis_timeout`.
+pub const NO_ANSWER_IN_TIME: &str = "Redis did not answer within outbox.redis_timeout";
+
+impl BrokerError {
+    /// Redis did not answer an exchange in time (it may still have executed it).
+    pub fn is_timeout(&self) -> bool {
+        self.0.contains(NO_ANSWER_IN_TIME)
+    }
+}
+
 impl std::fmt::Display for BrokerError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)

@@ -10,7 +10,7 @@ use outbox_protocol::secret_files::{self, TlsSettings};
 use redis::{ConnectionAddr, ConnectionInfo};
 
 use super::address::describe_addr;
-use super::{BrokerError, EntryOutcome, StreamId, TlsFiles};
+use super::{BrokerError, EntryOutcome, StreamId, TlsFiles, NO_ANSWER_IN_TIME};
 use crate::sink::entry::NumberText;
 
 /// How long a read timeout set for the rest of an exchange is used before it is set again
@@ -254,7 +254,7 @@ impl Pipeline {
             let now = Instant::now();
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
-                return Err(BrokerError("Redis did not answer within outbox.redis_timeout".into()));
+                return Err(BrokerError(NO_ANSWER_IN_TIME.into()));
             }
             if armed_at.is_none_or(|at| now.duration_since(at) >= REARM_READ_TIMEOUT) {
                 connection
@@ -262,7 +262,10 @@ impl Pipeline {
                     .map_err(|e| BrokerError(describe_error(&e)))?;
                 armed_at = Some(now);
             }
-            connection.recv_response().map_err(|e| BrokerError(describe_error(&e)))
+            connection.recv_response().map_err(|e| match e.is_timeout() {
+                true => BrokerError(format!("{NO_ANSWER_IN_TIME} ({})", describe_error(&e))),
+                false => BrokerError(describe_error(&e)),
+            })
         };
         let mut blocks = Vec::with_capacity(self.blocks.len());
         for (position, &(count, asking)) in self.blocks.iter().enumerate() {
