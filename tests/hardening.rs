@@ -114,6 +114,29 @@ fn the_redis_password_is_never_shown_to_monitoring_roles_in_logs_or_in_rows() {
     redis.wait_for_entries("outbox:secret", 2);
     assert_hidden("what pg_monitor reads", &every_visible_setting(&mut watcher));
     assert_hidden("the server log", &pg.log());
+
+    // The `@` forgotten (found by attack): the password then stands where the host does, and the
+    // relay showed that "location" in its log lines, its error and SHOW, as PostgreSQL's reload
+    // line did. Nothing of the location is shown now.
+    let typo = "Forg0tAtSign";
+    pg.set(&mut admin, &[("outbox.redis_url", &format!("redis://:{typo}127.0.0.1:{}/1", redis.port))]);
+    wait_for(DEADLINE, "the relay to take the URL without its @", || {
+        pg.log().contains("Redis is **** (invalid outbox.redis_url)").then_some(())
+    });
+    admin.batch_execute("SELECT outbox_enqueue('secret', 3, 'e', '{}')").unwrap();
+    wait_for(DEADLINE, "the relay to report the unusable URL", || {
+        let error: Option<String> = admin.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+        error.filter(|e| e.contains("not a valid Redis URL"))
+    });
+    let shown: String = watcher.query_one("SHOW outbox.redis_url", &[]).unwrap().get(0);
+    assert_eq!(shown, "redis://****");
+    for (what, text) in [
+        ("what pg_monitor reads", every_visible_setting(&mut watcher)),
+        ("outbox.stats", watcher.query_one("SELECT s::text FROM outbox.stats s", &[]).unwrap().get(0)),
+        ("the server log", pg.log()),
+    ] {
+        assert!(!text.contains(typo), "{what} shows the password typed without its @:\n{text}");
+    }
 }
 
 /// Review of issue 28, 10b: the log hook ended a URL at the first quote or blank, so statements

@@ -84,11 +84,54 @@ pub fn node_urls(url: &str) -> Result<Vec<String>, String> {
 }
 
 /// What follows the credentials of one URL and precedes any query or fragment: host(s), port(s)
-/// and database. Safe to show.
+/// and database. Safe to show: a `redis://` or `rediss://` URL without credentials whose location
+/// is not plainly hosts, ports and a database number is shown as `****`, since a URL whose `@` was
+/// forgotten (`redis://:s3cret10.0.0.1:6379`) holds its password there (found by attack).
 pub fn location(url: &str) -> &str {
-    let rest = url.find("://").map_or(url, |end| &url[end + 3..]);
-    let rest = rest.rfind('@').map_or(rest, |at| &rest[at + 1..]);
-    &rest[..rest.find(['?', '#']).unwrap_or(rest.len())]
+    let scheme_end = url.find("://");
+    let rest = scheme_end.map_or(url, |end| &url[end + 3..]);
+    let (rest, credentials) = match rest.rfind('@') {
+        Some(at) => (&rest[at + 1..], true),
+        None => (rest, false),
+    };
+    let location = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
+    let tcp = scheme_end.is_some_and(|end| matches!(url[..end].to_ascii_lowercase().as_str(), "redis" | "rediss"));
+    if tcp && !credentials && !is_plain_location(location) {
+        return "****";
+    }
+    location
+}
+
+/// Plainly a TCP URL's location: nodes (`host`, `host:port`, `[v6]` or `[v6]:port`, joined by
+/// commas) and an optional `/` with a database number. Nothing a password could hide in.
+pub fn is_plain_location(location: &str) -> bool {
+    let (nodes, database) = location.split_once('/').unwrap_or((location, ""));
+    let digits = |text: &str| !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+    let port = |text: Option<&str>| text.is_none_or(digits);
+    let plain_node = |node: &str| {
+        let node = node.trim();
+        // An empty node (a list's typo) hides nothing.
+        if node.is_empty() {
+            return true;
+        }
+        match node.strip_prefix('[') {
+            Some(v6) => v6.split_once(']').is_some_and(|(address, after)| {
+                !address.is_empty()
+                    && address.bytes().all(|b| b.is_ascii_hexdigit() || b == b':' || b == b'.')
+                    && (after.is_empty() || port(after.strip_prefix(':')) && after.starts_with(':'))
+            }),
+            None => {
+                let (host, port_text) = match node.split_once(':') {
+                    Some((host, port_text)) => (host, Some(port_text)),
+                    None => (node, None),
+                };
+                !host.is_empty()
+                    && host.bytes().all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
+                    && port(port_text)
+            }
+        }
+    };
+    (database.is_empty() || digits(database)) && nodes.split(',').all(plain_node)
 }
 
 /// `location` quoted for an error message.
@@ -194,6 +237,29 @@ fn redact_one(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_whose_at_sign_was_forgotten_shows_no_location() {
+        // The password typed without its `@`: nothing of the location is shown.
+        assert_eq!(location("redis://:s3cretPW127.0.0.1:6379/1"), "****");
+        assert_eq!(location("rediss://app:s3cretPW10.0.0.1:6380"), "****");
+        assert_eq!(redact("redis://:s3cretPW127.0.0.1:6379/1"), "redis://****");
+        // Plain locations are shown as they are.
+        for plain in
+            ["h", "h:6379", "10.0.0.1:6379/2", "[::1]:6379", "[::1]", "a:1,b:2,c:3/0", "my-host.example_1:7000"]
+        {
+            assert_eq!(location(&format!("redis://{plain}")), plain);
+            assert!(is_plain_location(plain), "{plain}");
+        }
+        assert!(is_plain_location("h2:1,,h3:1"), "an empty node hides nothing");
+        for not_plain in [":pw127.0.0.1:6379", "u:pwh:1", "h:1/x", "h:notaport", "[::1]x", "h:1,:pw"] {
+            assert!(!is_plain_location(not_plain), "{not_plain}");
+        }
+        // With credentials, what follows the `@` is the location whatever it holds; a socket
+        // URL's location is a path.
+        assert_eq!(location("redis://u:pw@h:notaport"), "h:notaport");
+        assert_eq!(location("redis+unix:///var/run/redis.sock"), "/var/run/redis.sock");
+    }
 
     #[test]
     fn every_form_names_its_nodes() {

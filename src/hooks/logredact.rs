@@ -9,6 +9,7 @@
 
 use std::ffi::{CStr, CString};
 
+use outbox_protocol::redis_url;
 use pgrx::pg_sys;
 
 use crate::sink::redis::redact_url;
@@ -97,7 +98,17 @@ pub fn redact_log_text(text: &str) -> Option<String> {
     let starts = scheme_starts(&lower);
     for (index, &body) in starts.iter().enumerate() {
         let region_end = starts.get(index + 1).map_or(text.len(), |&next| scheme_start_before(&lower, next));
-        let Some(at) = lower[body..region_end].rfind('@') else { continue };
+        let Some(at) = lower[body..region_end].rfind('@') else {
+            // No credentials: unless the location is plainly hosts and ports, a password typed
+            // without its `@` may be in it (`redis://:s3cret10.0.0.1:6379`): masked whole.
+            let tcp = lower[..body].ends_with("redis://") || lower[..body].ends_with("rediss://");
+            let end =
+                text[body..region_end].find(['?', '#', '"', '\'', ' ', ';', ')']).map_or(region_end, |e| body + e);
+            if tcp && !redis_url::is_plain_location(&text[body..end]) {
+                masks.push((body, end, "****".to_string()));
+            }
+            continue;
+        };
         let userinfo = &text[body..body + at];
         if is_user_name(userinfo) {
             continue;
@@ -222,6 +233,18 @@ mod tests {
         );
         let two = "from redis://:a@x:1 to redis://u:b@y:2";
         assert_eq!(redact_log_text(two).unwrap(), "from redis://:****@x:1 to redis://u:****@y:2");
+    }
+
+    #[test]
+    fn a_url_whose_at_sign_was_forgotten_is_masked_whole() {
+        let logged = r#"parameter "outbox.redis_url" changed to "redis://:s3cretPW127.0.0.1:6379/1""#;
+        assert_eq!(redact_log_text(logged).unwrap(), r#"parameter "outbox.redis_url" changed to "redis://****""#);
+        let logged = "statement: ALTER SYSTEM SET outbox.redis_url = 'rediss://app:s3cretPW10.0.0.1:6380/0'";
+        assert_eq!(redact_log_text(logged).unwrap(), "statement: ALTER SYSTEM SET outbox.redis_url = 'rediss://****'");
+        let logged = "cannot publish to Redis: not a valid Redis URL: redis://:s3cretPW127.0.0.1:6379 (node 1 of 1)";
+        assert!(!redact_log_text(logged).unwrap().contains("s3cretPW"));
+        // Plain locations stay as they are.
+        assert_eq!(redact_log_text("Redis is redis://127.0.0.1:6379/1 again"), None);
     }
 
     #[test]
