@@ -114,21 +114,28 @@ pub unsafe fn uuid_text(datum: pg_sys::Datum) -> String {
 
 /// Microseconds between 1970-01-01 and PostgreSQL's epoch, 2000-01-01 (UTC).
 const POSTGRES_EPOCH_UNIX_US: i64 = 946_684_800_000_000;
+/// Microseconds in a day.
+const DAY_US: i64 = 86_400_000_000;
 
-/// A timestamptz (microseconds since 2000-01-01 UTC) in RFC 3339 with microseconds, UTC, as
-/// `to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')` gives it; the infinities as
-/// PostgreSQL spells them.
+/// A timestamptz (microseconds since 2000-01-01 UTC) in RFC 3339 with microseconds, UTC, exactly
+/// as `to_char(t AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')` gives it, which is how the
+/// failure path and replays write it (src/sql): a year BC by its number (1 BC as `0001`), years
+/// past 9999 with all their digits, and nothing for the infinities (to_char's NULL). Only a
+/// superuser's UPDATE or a restored dump can give an event such a `created_at`; the pg_test
+/// `created_at_is_written_as_to_char_writes_it` compares the two at every edge.
 pub fn timestamptz_text(microseconds: i64) -> String {
-    match microseconds {
-        i64::MIN => return "-infinity".into(),
-        i64::MAX => return "infinity".into(),
-        _ => {}
+    if microseconds == i64::MIN || microseconds == i64::MAX {
+        return String::new();
     }
-    let unix = microseconds.saturating_add(POSTGRES_EPOCH_UNIX_US);
-    let (days, of_day) = (unix.div_euclid(86_400_000_000), unix.rem_euclid(86_400_000_000));
+    // Days from 2000-01-01 and then from 1970-01-01: microseconds from 1970 would overflow near
+    // PostgreSQL's last timestamp (294276 AD).
+    let days = microseconds.div_euclid(DAY_US) + POSTGRES_EPOCH_UNIX_US / DAY_US;
+    let of_day = microseconds.rem_euclid(DAY_US);
     let (year, month, day) = civil_from_days(days);
-    if !(0..=9999).contains(&year) {
-        // Outside what four digits hold (PostgreSQL allows years up to 294276).
+    // The proleptic calendar's year 0 is 1 BC, -1 is 2 BC, ...; to_char's YYYY writes their number.
+    let year = if year <= 0 { 1 - year } else { year };
+    if year > 9999 {
+        // More than four digits.
         return general_layout(year, month, day, of_day);
     }
     // Digit by digit into a fixed layout: every event carries one, and `write!` spent 4% of the
@@ -188,19 +195,21 @@ mod tests {
         assert_eq!(timestamptz_text(849_297_600_123_456), "2026-11-29T20:00:00.123456Z");
         // A leap day.
         assert_eq!(timestamptz_text(131_328_000_000_000), "2004-02-29T00:00:00.000000Z");
-        assert_eq!(timestamptz_text(i64::MAX), "infinity");
-        assert_eq!(timestamptz_text(i64::MIN), "-infinity");
+        assert_eq!(timestamptz_text(i64::MAX), "");
+        assert_eq!(timestamptz_text(i64::MIN), "");
         // The last instant of year 9999, and years past it (the general path).
         assert_eq!(timestamptz_text(252_455_615_999_999_999), "9999-12-31T23:59:59.999999Z");
         assert_eq!(timestamptz_text(252_455_616_000_000_000), "10000-01-01T00:00:00.000000Z");
-        // Before year 0 (PostgreSQL's 1 BC): what the general path writes.
-        assert_eq!(timestamptz_text(-63_113_904_000_000_001), "-001-12-31T23:59:59.999999Z");
+        // The last instant of 2 BC, written by its number as to_char does.
+        assert_eq!(timestamptz_text(-63_113_904_000_000_001), "0002-12-31T23:59:59.999999Z");
+        // PostgreSQL's last timestamp (an overflow wrote 294247-01-10 for it).
+        assert_eq!(timestamptz_text(9_223_371_331_199_999_999), "294276-12-31T23:59:59.999999Z");
     }
 
     /// The digit-by-digit layout agrees with the general one across the years it covers.
     #[test]
     fn the_fixed_layout_agrees_with_the_general_one() {
-        let mut microseconds: i64 = -63_113_904_000_000_000; // 0000-01-01 (1 BC)
+        let mut microseconds: i64 = -63_082_281_600_000_000; // 0001-01-01
         while microseconds < 252_455_615_999_999_999 {
             let unix = microseconds + super::POSTGRES_EPOCH_UNIX_US;
             let (days, of_day) = (unix.div_euclid(86_400_000_000), unix.rem_euclid(86_400_000_000));

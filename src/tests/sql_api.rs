@@ -752,6 +752,33 @@ fn the_log_is_read_as_postgresql_writes_its_values() {
     assert!(message.contains("cursor \"not a snapshot\" is not a pg_snapshot"), "{message}");
 }
 
+/// `created_at` as the relays write it from the datum is what `to_char` gives (the failure path and
+/// replays use it) at every edge PostgreSQL's timestamps have: years BC, past 9999, its last
+/// instant (an overflow wrote a wrong date there), the infinities (found by attack).
+#[pg_test]
+fn created_at_is_written_as_to_char_writes_it() {
+    for literal in [
+        "-infinity",
+        "4714-11-24 00:00:00 BC",
+        "0002-06-15 12:00:00 BC",
+        "0001-12-31 23:59:59.999999 BC",
+        "0001-01-01 00:00:00",
+        "1999-12-31 23:59:59.999999",
+        "2004-02-29 12:34:56.000001",
+        "9999-12-31 23:59:59.999999",
+        "10000-01-01 00:00:00",
+        "294276-12-31 23:59:59.999999",
+        "infinity",
+    ] {
+        let (at, expected) = Spi::get_two::<pgrx::datum::TimestampWithTimeZone, String>(&format!(
+            "SELECT '{literal} UTC'::timestamptz, to_char('{literal} UTC'::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+        ))
+        .unwrap();
+        let microseconds: i64 = at.unwrap().into();
+        assert_eq!(crate::log::datums::timestamptz_text(microseconds), expected.unwrap_or_default(), "{literal}");
+    }
+}
+
 /// A backlog of one aggregate costs a batch no more than many aggregates do: the read is one index
 /// range, whatever the aggregates.
 #[pg_test]
