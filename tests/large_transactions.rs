@@ -149,3 +149,66 @@ fn a_relay_killed_inside_a_large_transaction_goes_on_from_where_it_was() {
     }
     assert!(last.values().all(|&seq| seq == 1500));
 }
+
+/// The Redis entry ids of `stream`, as (milliseconds, sequence).
+fn entry_ids(env: &Env, stream: &str) -> Vec<(u64, u64)> {
+    let reply: Vec<(String, Vec<(String, String)>)> =
+        env.redis.query(redis::cmd("XRANGE").arg(stream).arg("-").arg("+"));
+    reply
+        .into_iter()
+        .map(|(id, _)| {
+            let (ms, seq) = id.split_once('-').unwrap();
+            (ms.parse().unwrap(), seq.parse().unwrap())
+        })
+        .collect()
+}
+
+/// Two transactions of 30,000 and 20,000 events, in two shards, both published in parts: the rounds go to
+/// each in turn (found by attack: a shard whose window was being published in parts and that got
+/// none of a round's allowance did not count as passed over, so the other window got every round
+/// until it was done, and a third of the first one waited for all of it).
+#[test]
+fn two_windows_published_in_parts_take_turns() {
+    let env = Env::start(&["outbox.enabled = off", "outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    let (a, b): (String, String) = {
+        let row = client
+            .query_one(
+                "SELECT a, (SELECT i::text FROM generate_series(1, 1000) i
+                             WHERE tests.shard_of('turns_b', i::text) > tests.shard_of('turns_a', a) LIMIT 1)
+                   FROM (SELECT i::text AS a FROM generate_series(1, 1000) i
+                          WHERE tests.shard_of('turns_a', i::text) = 0 LIMIT 1) first",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    // The first in shard 0, the lowest; the second in a higher one.
+    for (aggregate_type, aggregate_id, events) in [("turns_a", &a, 30_000i32), ("turns_b", &b, 20_000)] {
+        client
+            .execute(
+                "SELECT outbox_enqueue($1, $2, 'e', jsonb_build_object('i', i)) FROM generate_series(1, $3) i",
+                &[&aggregate_type, aggregate_id, &events],
+            )
+            .unwrap();
+    }
+    env.pg.set(&mut client, &[("outbox.enabled", "on")]);
+    env.redis.wait_for_entries("outbox:turns_a", 30_000);
+    env.redis.wait_for_entries("outbox:turns_b", 20_000);
+    // Both streams' entries in the order Redis added them: the runs of one stream between entries
+    // of the other are rounds (a round takes at most 10,000 events; entries of the two streams
+    // added within the same millisecond may sort either way, hence the slack).
+    let mut all: Vec<((u64, u64), char)> = entry_ids(&env, "outbox:turns_a").into_iter().map(|id| (id, 'a')).collect();
+    all.extend(entry_ids(&env, "outbox:turns_b").into_iter().map(|id| (id, 'b')));
+    all.sort();
+    let mut runs: Vec<(char, usize)> = Vec::new();
+    for (_, stream) in all {
+        match runs.last_mut() {
+            Some((last, length)) if *last == stream => *length += 1,
+            _ => runs.push((stream, 1)),
+        }
+    }
+    let longest = runs.iter().map(|&(_, length)| length).max().unwrap();
+    assert!(longest <= 12_000, "one window got several rounds in a row: runs {runs:?}");
+    assert_eq!(env.redis.entries("outbox:turns_a").len() + env.redis.entries("outbox:turns_b").len(), 50_000);
+}

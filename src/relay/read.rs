@@ -347,6 +347,11 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
                     // no position is stored, so only a flag sends the next round (a read on the
                     // kept claim reads flagged shards only) back to it.
                     unread |= 1u32 << (c.shard as u32 % 32);
+                }
+                if !read.complete && read.events.is_empty() {
+                    // The allowance ran out before this shard, whether or not a window of it is
+                    // being published in parts (found by attack: only shards with no stored
+                    // position counted, so two windows in parts did not take turns).
                     first_unread = first_unread.or(Some(c.shard));
                 }
                 let window = (!read.complete).then(|| (c.upto.clone(), read.position.unwrap_or((i64::MIN, i64::MIN))));
