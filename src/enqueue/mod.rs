@@ -140,7 +140,7 @@ fn required<'a>(rule: &Rule, value: Option<&'a str>) -> &'a str {
 
 /// Whether a jsonb's root is an object (not an array or a scalar).
 unsafe fn jsonb_is_object(datum: pg_sys::Datum) -> bool {
-    // SAFETY: a non-NULL jsonb datum, detoasted whole; the root container's header carries the flags.
+    // SAFETY: as in `jsonb_text`; the root container's header carries the flags.
     unsafe {
         let jsonb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
         (*jsonb).root.header & pg_sys::JB_FOBJECT != 0
@@ -208,7 +208,7 @@ fn outbox_enqueue(
     let headers = headers.unwrap();
     if let Some(headers) = headers {
         // SAFETY: a non-NULL jsonb argument.
-        let (is_object, text) = unsafe { (jsonb_is_object(headers), crate::log::jsonb::text(headers)) };
+        let (is_object, text) = unsafe { (jsonb_is_object(headers), crate::log::datums::jsonb_text(headers)) };
         if !is_object {
             let start: String = text.chars().take(100).collect();
             refuse(
@@ -245,7 +245,7 @@ fn outbox_enqueue(
 
     // The limit applies to what is sent to Redis: the payload's JSON text.
     // SAFETY: a non-NULL jsonb argument.
-    let payload_bytes = unsafe { crate::log::jsonb::text(payload).len() };
+    let payload_bytes = unsafe { crate::log::datums::with_jsonb_text(payload, |text| text.to_bytes().len()) };
     let payload_limit = guc::max_payload_size() as usize;
     if payload_bytes > payload_limit {
         refuse(
@@ -262,7 +262,7 @@ fn outbox_enqueue(
         // The limit holds for what is stored and sent: the headers with the trace context merged
         // in (outbox.traceparent, outbox.tracestate), not only the argument.
         // SAFETY: a jsonb datum built by with_trace_context.
-        check_headers_size(&unsafe { crate::log::jsonb::text(merged) }, true);
+        check_headers_size(&unsafe { crate::log::datums::jsonb_text(merged) }, true);
     }
 
     // Right before the id is drawn: enqueues of one aggregate take turns until commit, so that

@@ -101,6 +101,32 @@ pub fn owned_text(bytes: &[u8]) -> String {
     owned
 }
 
+/// Calls `with` on a jsonb's text form (what is sent to Redis), freed afterwards.
+///
+/// # Safety
+/// `datum` is a non-NULL jsonb datum.
+pub unsafe fn with_jsonb_text<T>(datum: pg_sys::Datum, with: impl FnOnce(&CStr) -> T) -> T {
+    // SAFETY: detoasting gives the whole value, whose root container JsonbToCString renders into
+    // a palloc'd, NUL-terminated string, freed once `with` is done.
+    unsafe {
+        let jsonb = pg_sys::pg_detoast_datum(datum.cast_mut_ptr()) as *mut pg_sys::Jsonb;
+        let size = pgrx::varlena::varsize_any(jsonb as *const pg_sys::varlena) as i32;
+        let text = pg_sys::JsonbToCString(std::ptr::null_mut(), &raw mut (*jsonb).root, size);
+        let result = with(CStr::from_ptr(text));
+        pg_sys::pfree(text.cast());
+        result
+    }
+}
+
+/// A jsonb's text form, as `jsonb::text` gives it.
+///
+/// # Safety
+/// `datum` is a non-NULL jsonb datum.
+pub unsafe fn jsonb_text(datum: pg_sys::Datum) -> String {
+    // SAFETY: as in with_jsonb_text.
+    unsafe { with_jsonb_text(datum, |text| owned_text(text.to_bytes())) }
+}
+
 /// A uuid's text form, as `uuid::text` gives it (lower-case, hyphenated).
 ///
 /// # Safety

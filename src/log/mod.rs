@@ -10,13 +10,11 @@
 //! - `pending`: what is undelivered, exactly (outbox.stats, the age alert).
 //! - `counters`: the per-aggregate `aggregate_seq` counters.
 //! - `datums`: relations, columns and values read without the executor.
-//! - `jsonb`: a jsonb value's text form, written from its binary layout.
 
 pub mod append;
 pub mod columns;
 pub mod counters;
 pub mod datums;
-pub mod jsonb;
 pub mod pending;
 pub mod snapshot;
 pub mod tables;

@@ -229,7 +229,7 @@ impl LogTable {
                 let value = |attno: usize| (!nulls[attno - 1]).then(|| values[attno - 1]);
                 let event = keep(txid).then(|| {
                     let text = |attno: usize| value(attno).map(|d| datums::text(d));
-                    let json = |attno: usize| value(attno).map(|d| crate::log::jsonb::text(d));
+                    let json = |attno: usize| value(attno).map(|d| datums::jsonb_text(d));
                     let headers = json(columns.at(Column::Headers));
                     OutboxEvent {
                         id: value(columns.at(Column::Id)).map(|d| d.value() as i64).unwrap_or_default(),
