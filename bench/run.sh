@@ -3,6 +3,7 @@
 #   bash bench/run.sh            # full run (about 10 minutes)
 #   bash bench/run.sh --quick    # smaller numbers, for a smoke test
 #   BENCH_MODE=drain bash bench/run.sh [--quick]   # the drain figures only, twice (A/B of two builds)
+#   BENCH_MODE=payload bash bench/run.sh [--quick] # one worker's drain of 2 KiB and 16 KiB payloads, twice
 #   BENCH_MODE=sustained bash bench/run.sh --rate 5000 --minutes 30 [--retention 5min]   # latency, rate reached
 #                                    # and table size minute by minute
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default

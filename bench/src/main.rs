@@ -79,6 +79,7 @@ fn main() {
         "baseline-relay" => baseline_relay(&args),
         "sustained" => sustained(&args),
         "drain" => drain_only(&args),
+        "payload" => payload_only(&args),
         other => Err(format!("unknown command {other:?}").into()),
     });
     if let Err(error) = result {
@@ -988,6 +989,25 @@ fn drain_only(args: &Args) -> Result<()> {
             external[0].cpu_us_per_event,
             one.events_per_s / best
         );
+    }
+    Ok(())
+}
+
+/// `BENCH_MODE=payload`: one worker's drain of 2 KiB and 16 KiB payloads, twice, for an A/B of
+/// what the relay does per byte (the external relay, which two builds do not change, is left out).
+fn payload_only(args: &Args) -> Result<()> {
+    let sizes: [(usize, i64); 2] =
+        if args.quick { [(2048, 10_000), (16384, 2_000)] } else { [(2048, 50_000), (16384, 10_000)] };
+    for round in 1..=2 {
+        for (bytes, events) in sizes {
+            let drain = drain_in_server_with(args, events, 10_000, 1, &scale::padded_payload(bytes))?;
+            eprintln!(
+                "round {round}: {events} events of {bytes}-byte payloads, 1 worker {:.0}/s ({:.1} MB/s, relay {:.1} µs/event)",
+                drain.events_per_s,
+                drain.events_per_s * bytes as f64 / 1e6,
+                drain.cpu_us_per_event
+            );
+        }
     }
     Ok(())
 }
