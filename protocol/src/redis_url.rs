@@ -84,22 +84,33 @@ pub fn node_urls(url: &str) -> Result<Vec<String>, String> {
 }
 
 /// What follows the credentials of one URL and precedes any query or fragment: host(s), port(s)
-/// and database. Safe to show: a `redis://` or `rediss://` URL without credentials whose location
-/// is not plainly hosts, ports and a database number is shown as `****`, since a URL whose `@` was
-/// forgotten (`redis://:s3cret10.0.0.1:6379`) holds its password there (found by attack).
+/// and database. Safe to show: `****` instead when a secret may be in it (found by attack): a URL
+/// other than a socket's, without credentials, whose location is not plainly hosts, ports and a
+/// database number (a URL whose `@` was forgotten, `redis://:s3cret10.0.0.1:6379`, holds its
+/// password there; so does one whose scheme is mistyped), and a URL whose last `@` follows a `?`
+/// in a URL with a `pass=` or `password=` parameter (the `@` is then the password's own).
 pub fn location(url: &str) -> &str {
     let scheme_end = url.find("://");
     let rest = scheme_end.map_or(url, |end| &url[end + 3..]);
-    let (rest, credentials) = match rest.rfind('@') {
+    let at = rest.rfind('@');
+    if at.is_some_and(|at| rest[..at].contains('?')) && query_has_secret(url) {
+        return "****";
+    }
+    let (rest, credentials) = match at {
         Some(at) => (&rest[at + 1..], true),
         None => (rest, false),
     };
     let location = &rest[..rest.find(['?', '#']).unwrap_or(rest.len())];
-    let tcp = scheme_end.is_some_and(|end| matches!(url[..end].to_ascii_lowercase().as_str(), "redis" | "rediss"));
-    if tcp && !credentials && !is_plain_location(location) {
+    if !credentials && !is_socket(url) && !is_plain_location(location) {
         return "****";
     }
     location
+}
+
+/// A socket URL, whose location is a path.
+fn is_socket(url: &str) -> bool {
+    let lower = url.trim_start().to_ascii_lowercase();
+    lower.starts_with("redis+unix://") || lower.starts_with("unix://")
 }
 
 /// Plainly a TCP URL's location: nodes (`host`, `host:port`, `[v6]` or `[v6]:port`, joined by
@@ -152,7 +163,8 @@ pub fn has_password(url: &str) -> bool {
             // `user@host` names a user only; `:password@` or `user:password@` carries a secret.
             !userinfo.chars().all(|c| c.is_ascii_alphanumeric() || "-_.~%".contains(c))
         });
-        in_credentials || query_has_secret(piece)
+        // No credentials, and a location that may hide a password (`location` shows `****`).
+        in_credentials || query_has_secret(piece) || location(piece) == "****"
     })
 }
 
@@ -259,6 +271,14 @@ mod tests {
         // URL's location is a path.
         assert_eq!(location("redis://u:pw@h:notaport"), "h:notaport");
         assert_eq!(location("redis+unix:///var/run/redis.sock"), "/var/run/redis.sock");
+        // A mistyped scheme, a missing one, and a password parameter holding an `@`.
+        assert_eq!(location("valkey://:PW6127.0.0.1:6379"), "****");
+        assert_eq!(location("redis//:PW7127.0.0.1:6379"), "****");
+        assert_eq!(redact("redis://h:1/0?password=PW5@x"), "redis://h:****@****");
+        // What may hide a password counts as one where every role can read it.
+        assert!(has_password("redis://:HIDDENpw127.0.0.1:6379/0"));
+        assert!(has_password("valkey://:PW6127.0.0.1:6379"));
+        assert!(!has_password("redis://127.0.0.1:6379/0") && !has_password("redis://relay@h:1,h2:2"));
     }
 
     #[test]

@@ -100,12 +100,13 @@ pub fn redact_log_text(text: &str) -> Option<String> {
         let region_end = starts.get(index + 1).map_or(text.len(), |&next| scheme_start_before(&lower, next));
         let Some(at) = lower[body..region_end].rfind('@') else {
             // No credentials: unless the location is plainly hosts and ports, a password typed
-            // without its `@` may be in it (`redis://:s3cret10.0.0.1:6379`): masked whole.
+            // without its `@` may be in it (`redis://:s3cret10.0.0.1:6379`), holding any
+            // character: masked to the end of the region (the next URL, or the message's end).
             let tcp = lower[..body].ends_with("redis://") || lower[..body].ends_with("rediss://");
             let end =
                 text[body..region_end].find(['?', '#', '"', '\'', ' ', ';', ')']).map_or(region_end, |e| body + e);
             if tcp && !redis_url::is_plain_location(&text[body..end]) {
-                masks.push((body, end, "****".to_string()));
+                masks.push((body, region_end, "****".to_string()));
             }
             continue;
         };
@@ -240,9 +241,20 @@ mod tests {
         let logged = r#"parameter "outbox.redis_url" changed to "redis://:s3cretPW127.0.0.1:6379/1""#;
         assert_eq!(redact_log_text(logged).unwrap(), r#"parameter "outbox.redis_url" changed to "redis://****""#);
         let logged = "statement: ALTER SYSTEM SET outbox.redis_url = 'rediss://app:s3cretPW10.0.0.1:6380/0'";
-        assert_eq!(redact_log_text(logged).unwrap(), "statement: ALTER SYSTEM SET outbox.redis_url = 'rediss://****'");
+        assert_eq!(redact_log_text(logged).unwrap(), "statement: ALTER SYSTEM SET outbox.redis_url = 'rediss://****");
         let logged = "cannot publish to Redis: not a valid Redis URL: redis://:s3cretPW127.0.0.1:6379 (node 1 of 1)";
         assert!(!redact_log_text(logged).unwrap().contains("s3cretPW"));
+        // A password holding a character that would end a URL elsewhere: masked to the end.
+        for (url, fragment) in [
+            ("redis://:pa#ss127.0.0.1:1/0", "ss127"),
+            ("redis://:pa ss127.0.0.1:1/0", "ss127"),
+            ("redis://:PW1?x=y127.0.0.1:1", "x=y"),
+            ("redis://user:PW2)z127.0.0.1:1", ")z"),
+        ] {
+            let logged = format!("statement: ALTER SYSTEM SET outbox.redis_url = '{url}'");
+            let masked = redact_log_text(&logged).unwrap();
+            assert!(!masked.contains(fragment), "{masked}");
+        }
         // Plain locations stay as they are.
         assert_eq!(redact_log_text("Redis is redis://127.0.0.1:6379/1 again"), None);
     }

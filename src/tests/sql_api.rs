@@ -99,6 +99,9 @@ fn a_per_database_redis_url_may_not_carry_a_password() {
         ("DATABASE pgrx_tests", "unix:///tmp/redis.sock?P%61SS=S3cret"),
         ("DATABASE pgrx_tests", "redis://h:1/0?password=S3cret"),
         ("ROLE CURRENT_USER", "redis://h:1,redis://a:2, rediss://:S3cret@b:3"),
+        // The `@` after the password forgotten, or the scheme mistyped (found by attack).
+        ("DATABASE pgrx_tests", "redis://:S3cretNoAt127.0.0.1:6379/0"),
+        ("ROLE CURRENT_USER", "valkey://:S3cretScheme127.0.0.1:6379"),
     ] {
         let (sqlstate, message) = error_of(&format!("ALTER {target} SET outbox.redis_url = '{url}'"));
         assert_eq!(sqlstate, "ERRCODE_INVALID_PARAMETER_VALUE", "{url}: {message}");
