@@ -289,9 +289,9 @@ fn after_timeout(state: &mut RoundState, events: usize, error: &BrokerError) {
     }
     if let Some(limit) = state.allowance.timed_out(events, Instant::now()) {
         pgrx::warning!(
-            "outbox_pg: Redis did not answer a round of {events} events within outbox.redis_timeout ({}); the next \
-             rounds take at most {limit} events, twice as many after each second without a timeout",
-            crate::relay::health::human(crate::guc::redis_timeout())
+            "outbox_pg: Redis did not answer a round of {events} events within outbox.redis_timeout ({} ms); the \
+             next rounds take at most {limit} events, more again once Redis answers in time",
+            crate::guc::redis_timeout().as_millis()
         );
     }
 }

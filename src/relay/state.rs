@@ -39,13 +39,33 @@ pub struct RoundState {
 /// after the backoff (Redis may have executed it: at least once); at the same size it would time
 /// out again, for good, each attempt adding the whole round to the streams once more (found by
 /// attack: a 10 ms timeout and a 9,000-event transaction put 36,000 entries in Redis in 75 s and
-/// published nothing). So each timed-out round halves the allowance, down to one event, and it
-/// doubles again after each second without a timeout: a Redis that is merely slow gets rounds it
-/// can answer in time, and the duplicates of a timed-out round are bounded by the halving.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// published nothing). So each timed-out round halves the allowance, down to one event.
+///
+/// It grows back, doubling, once a limit has held without a timeout for `grow_after`: a second at
+/// first, twice as long each time a grown limit times out again (up to `GROW_AFTER_MAX`), so a
+/// Redis that stays slow is probed for more rarely and rarely (a second attack: a constant one
+/// second made every probe a timed-out round and two WARNINGs, 74 in 46 s).
+///
+/// Not covered: one event that Redis cannot take and answer within the timeout (a 48 MB payload
+/// against 10 ms) is sent again after each backoff, a copy in Redis each time, for as long as the
+/// timeout stays that short (docs/worker.md, "A timeout too short for a round").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoundAllowance {
     /// The limit below `ROUND_EVENTS`, and since when it holds (None: a full round).
     limit: Option<(usize, Instant)>,
+    /// How long a limit holds without a timeout before it doubles.
+    grow_after: Duration,
+    /// The limit in force was grown (not halved) last.
+    grown: bool,
+}
+
+/// The longest a limit waits to grow once it has timed out again after growing.
+const GROW_AFTER_MAX: Duration = Duration::from_secs(64);
+
+impl Default for RoundAllowance {
+    fn default() -> Self {
+        RoundAllowance { limit: None, grow_after: Duration::from_secs(1), grown: false }
+    }
 }
 
 impl RoundAllowance {
@@ -58,21 +78,34 @@ impl RoundAllowance {
     /// limit, when this lowered it. A round larger than the limit was read before it was set (the
     /// read made while a round was in flight) and says nothing new.
     pub fn timed_out(&mut self, events: usize, now: Instant) -> Option<usize> {
+        if events > self.events() {
+            return None;
+        }
+        if self.grown {
+            // A grown limit timed out again: the next growth waits twice as long.
+            self.grow_after = (self.grow_after * 2).min(GROW_AFTER_MAX);
+            self.grown = false;
+        }
         let limit = (events / 2).max(1);
-        if events > self.events() || limit >= self.events() {
+        if limit >= self.events() {
             return None;
         }
         self.limit = Some((limit, now));
         Some(limit)
     }
 
-    /// A round landed at `now`: a limit that has held for a second doubles (and goes away at
-    /// `ROUND_EVENTS`).
+    /// A round landed at `now`: a limit that has held for `grow_after` doubles (and goes away at
+    /// `ROUND_EVENTS`, with `grow_after` back to a second).
     pub fn landed(&mut self, now: Instant) {
         if let Some((limit, since)) = self.limit {
-            if now.duration_since(since) >= Duration::from_secs(1) {
+            if now.duration_since(since) >= self.grow_after {
                 let doubled = limit.saturating_mul(2);
-                self.limit = (doubled < ROUND_EVENTS).then_some((doubled, now));
+                self.grown = true;
+                if doubled < ROUND_EVENTS {
+                    self.limit = Some((doubled, now));
+                } else {
+                    *self = RoundAllowance::default();
+                }
             }
         }
     }
@@ -214,7 +247,6 @@ mod tests {
             allowance.timed_out(allowance.events(), start);
         }
         assert_eq!(allowance.events(), 1);
-        assert_eq!(allowance.timed_out(1, start), None);
         // Rounds that land within the second change nothing; after it, the limit doubles, once
         // per second.
         allowance.landed(start + Duration::from_millis(999));
@@ -231,6 +263,34 @@ mod tests {
         // From 1 to the full 10,000 in 14 quiet seconds, and then the limit is gone.
         assert_eq!(now.duration_since(start), Duration::from_secs(14));
         assert_eq!(allowance, RoundAllowance::default());
+    }
+
+    #[test]
+    fn a_limit_that_times_out_again_after_growing_grows_more_slowly() {
+        let start = Instant::now();
+        let mut allowance = RoundAllowance::default();
+        allowance.timed_out(100, start);
+        assert_eq!(allowance.events(), 50);
+        // Grown after a second; the grown limit times out again: back to 50, and the next growth
+        // waits two seconds, then four.
+        allowance.landed(start + Duration::from_secs(1));
+        assert_eq!(allowance.events(), 100);
+        allowance.timed_out(100, start + Duration::from_secs(1));
+        assert_eq!(allowance.events(), 50);
+        allowance.landed(start + Duration::from_secs(2));
+        assert_eq!(allowance.events(), 50, "grows only after two seconds now");
+        allowance.landed(start + Duration::from_secs(3));
+        assert_eq!(allowance.events(), 100);
+        allowance.timed_out(100, start + Duration::from_secs(3));
+        allowance.landed(start + Duration::from_secs(6));
+        assert_eq!(allowance.events(), 50, "four seconds now");
+        allowance.landed(start + Duration::from_secs(7));
+        assert_eq!(allowance.events(), 100);
+        // A timeout of a limit that was halved, not grown, does not slow growth further.
+        let before = allowance;
+        allowance.timed_out(100, start + Duration::from_secs(7));
+        allowance.timed_out(50, start + Duration::from_secs(7));
+        assert_eq!(allowance.grow_after, before.grow_after * 2);
     }
 
     #[test]
