@@ -760,21 +760,22 @@ fn the_log_is_read_as_postgresql_writes_its_values() {
 /// instant (an overflow wrote a wrong date there), the infinities (found by attack).
 #[pg_test]
 fn created_at_is_written_as_to_char_writes_it() {
+    // The zone is part of each finite literal: PostgreSQL 16 and later refuse "infinity UTC".
     for literal in [
         "-infinity",
-        "4714-11-24 00:00:00 BC",
-        "0002-06-15 12:00:00 BC",
-        "0001-12-31 23:59:59.999999 BC",
-        "0001-01-01 00:00:00",
-        "1999-12-31 23:59:59.999999",
-        "2004-02-29 12:34:56.000001",
-        "9999-12-31 23:59:59.999999",
-        "10000-01-01 00:00:00",
-        "294276-12-31 23:59:59.999999",
+        "4714-11-24 00:00:00 BC UTC",
+        "0002-06-15 12:00:00 BC UTC",
+        "0001-12-31 23:59:59.999999 BC UTC",
+        "0001-01-01 00:00:00 UTC",
+        "1999-12-31 23:59:59.999999 UTC",
+        "2004-02-29 12:34:56.000001 UTC",
+        "9999-12-31 23:59:59.999999 UTC",
+        "10000-01-01 00:00:00 UTC",
+        "294276-12-31 23:59:59.999999 UTC",
         "infinity",
     ] {
         let (at, expected) = Spi::get_two::<pgrx::datum::TimestampWithTimeZone, String>(&format!(
-            "SELECT '{literal} UTC'::timestamptz, to_char('{literal} UTC'::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+            "SELECT '{literal}'::timestamptz, to_char('{literal}'::timestamptz AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
         ))
         .unwrap();
         let microseconds: i64 = at.unwrap().into();
