@@ -153,13 +153,7 @@ pub fn timestamptz_text(microseconds: i64) -> String {
     if microseconds == i64::MIN || microseconds == i64::MAX {
         return String::new();
     }
-    // Days from 2000-01-01 and then from 1970-01-01: microseconds from 1970 would overflow near
-    // PostgreSQL's last timestamp (294276 AD).
-    let days = microseconds.div_euclid(DAY_US) + POSTGRES_EPOCH_UNIX_US / DAY_US;
-    let of_day = microseconds.rem_euclid(DAY_US);
-    let (year, month, day) = civil_from_days(days);
-    // The proleptic calendar's year 0 is 1 BC, -1 is 2 BC, ...; to_char's YYYY writes their number.
-    let year = if year <= 0 { 1 - year } else { year };
+    let (year, month, day, of_day) = utc_date(microseconds);
     if year > 9999 {
         // More than four digits.
         return general_layout(year, month, day, of_day);
@@ -182,6 +176,18 @@ pub fn timestamptz_text(microseconds: i64) -> String {
     put(17, 2, seconds % 60);
     put(20, 6, (of_day % 1_000_000) as u64);
     out.iter().map(|&b| b as char).collect()
+}
+
+/// A finite timestamptz's UTC date, its year as to_char's YYYY writes it, and the microseconds
+/// into that day.
+fn utc_date(microseconds: i64) -> (i64, u32, u32, i64) {
+    // Days from 2000-01-01 and then from 1970-01-01: microseconds from 1970 would overflow near
+    // PostgreSQL's last timestamp (294276 AD).
+    let days = microseconds.div_euclid(DAY_US) + POSTGRES_EPOCH_UNIX_US / DAY_US;
+    let (year, month, day) = civil_from_days(days);
+    // The proleptic calendar's year 0 is 1 BC, -1 is 2 BC, ...; to_char's YYYY writes their number.
+    let year = if year <= 0 { 1 - year } else { year };
+    (year, month, day, microseconds.rem_euclid(DAY_US))
 }
 
 /// `timestamptz_text`'s layout for any year, through `format!`; `of_day` in microseconds.
@@ -237,9 +243,7 @@ mod tests {
     fn the_fixed_layout_agrees_with_the_general_one() {
         let mut microseconds: i64 = -63_082_281_600_000_000; // 0001-01-01
         while microseconds < 252_455_615_999_999_999 {
-            let unix = microseconds + super::POSTGRES_EPOCH_UNIX_US;
-            let (days, of_day) = (unix.div_euclid(86_400_000_000), unix.rem_euclid(86_400_000_000));
-            let (year, month, day) = super::civil_from_days(days);
+            let (year, month, day, of_day) = super::utc_date(microseconds);
             assert_eq!(timestamptz_text(microseconds), super::general_layout(year, month, day, of_day));
             microseconds += 86_399_999_999 * 7 + 123_457;
         }
