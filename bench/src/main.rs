@@ -42,7 +42,7 @@ fn parse_args() -> Result<Args> {
         command,
         pg: String::new(),
         redis: String::new(),
-        pgbench: "/usr/lib/postgresql/15/bin/pgbench".into(),
+        pgbench: "/opt/postgresql/15/bin/pgbench".into(),
         out: "bench/results".into(),
         quick: false,
         batch: 1000,

@@ -38,12 +38,12 @@ impl PgInstall {
         }
     }
 
-    /// The installation under test: `$PG_CONFIG`, else Debian's PostgreSQL 15 (scripts/test.sh
+    /// The installation under test: `$PG_CONFIG`, else the private PostgreSQL 15 (scripts/test.sh
     /// sets `PG_CONFIG` for the major it runs).
     pub fn under_test() -> &'static PgInstall {
         static UNDER_TEST: OnceLock<PgInstall> = OnceLock::new();
         UNDER_TEST.get_or_init(|| {
-            PgInstall::at(std::env::var("PG_CONFIG").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin/pg_config".into()))
+            PgInstall::at(std::env::var("PG_CONFIG").unwrap_or_else(|_| "/opt/postgresql/15/bin/pg_config".into()))
         })
     }
 

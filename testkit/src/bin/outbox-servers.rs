@@ -37,7 +37,7 @@ fn parse(args: &[String]) -> Result<(String, Up), String> {
         dir: PathBuf::new(),
         pg_config: std::env::var_os("PG_CONFIG")
             .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("/usr/lib/postgresql/15/bin/pg_config")),
+            .unwrap_or_else(|| PathBuf::from("/opt/postgresql/15/bin/pg_config")),
         settings: Vec::new(),
         cluster_masters: None,
     };
