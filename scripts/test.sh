@@ -15,11 +15,18 @@ if [ -n "${PG_CONFIG:-}" ]; then
 fi
 export PG_UPGRADE_FROM=${PG_UPGRADE_FROM:-15}
 bash scripts/install-deps.sh "$PG_MAJOR" "$PG_UPGRADE_FROM"
+# REDIS_VERSION (7.0, Debian's, the default; or 8.2, scripts/install-redis.sh) picks the
+# redis-server every test starts; TLS tests stay on 7.0 (the 8.2 binary has no TLS).
+export REDIS_VERSION=${REDIS_VERSION:-7.0}
+REDIS_SERVER=$(bash scripts/install-redis.sh "$REDIS_VERSION")
+REDIS_TLS_SERVER=$(bash scripts/install-redis.sh 7.0)
+export REDIS_SERVER REDIS_TLS_SERVER
 export PATH="$HOME/.cargo/bin:$PATH"
 unset RUSTFLAGS  # it would override the link flags pgrx needs
 PG_CONFIG=$(bash scripts/pg-config.sh "$PG_MAJOR")
 export PG_CONFIG
 echo "== PostgreSQL $PG_MAJOR: $("$PG_CONFIG" --version), $PG_CONFIG"
+echo "== Redis $REDIS_VERSION: $("$REDIS_SERVER" --version), $REDIS_SERVER"
 # fault-injection: outbox.fault_injection exists only in builds with it (src/faults.rs); the tests
 # and the demo use it, packages and plain installs leave it out.
 FEATURES="pg$PG_MAJOR pg_test fault-injection"

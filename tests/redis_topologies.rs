@@ -194,3 +194,21 @@ fn the_relay_takes_sentinels_and_cluster_nodes_as_full_urls_and_names_a_bad_part
     pg.set(&mut client, &[("outbox.redis_url", &urls)]);
     wait_drained(&mut client);
 }
+
+/// The Redis matrix is real: with `REDIS_VERSION` set (scripts/test.sh sets it, 7.0 or 8.2), every
+/// server the tests start, Sentinel and Cluster nodes included, is that version.
+#[test]
+fn the_redis_under_test_is_the_version_asked_for() {
+    let Ok(asked) = std::env::var("REDIS_VERSION") else { return };
+    let prefix = format!("{asked}.");
+    let plain = Redis::start();
+    let version = plain.info_field("server", "redis_version").expect("INFO server of a plain server");
+    assert!(version.starts_with(&prefix), "REDIS_VERSION={asked}, but the plain server is Redis {version}");
+    let sentinels = SentinelSet::start();
+    for (what, server) in [("Sentinel's master", &sentinels.master), ("Sentinel's replica", &sentinels.replica)] {
+        let version = server.info_field("server", "redis_version").expect("INFO server");
+        assert!(version.starts_with(&prefix), "REDIS_VERSION={asked}, but the {what} is Redis {version}");
+    }
+    let sentinel_version = sentinels.sentinel_info_field("server", "redis_version");
+    assert!(sentinel_version.starts_with(&prefix), "REDIS_VERSION={asked}, but a sentinel is Redis {sentinel_version}");
+}

@@ -34,7 +34,7 @@ pub use dirs::{scratch_root, TempDir};
 pub use memory::{rss_kb, PeakMemory};
 pub use os::{as_server_user, chown_to_server_user, free_port, output_within, run, running_as_root};
 pub use postgres::{try_connect, Cluster, ClusterBuilder, PgInstall};
-pub use redis_server::{redis_client, stream_keys_on, Redis, RedisOptions, StreamStore};
+pub use redis_server::{redis_client, redis_server_binary, stream_keys_on, Redis, RedisOptions, StreamStore};
 pub use sentinel::{SentinelSet, SENTINEL_MASTER};
 pub use tls::{Certificates, ClientTls};
 pub use wait::{wait_for, DEADLINE};

@@ -14,8 +14,17 @@ use crate::os::free_port;
 use crate::tls::{Certificates, ClientTls};
 use crate::wait::{wait_for, DEADLINE};
 
-fn redis_server_binary() -> String {
+/// The redis-server the tests run: `$REDIS_SERVER` (scripts/test.sh sets it from `REDIS_VERSION`,
+/// scripts/install-redis.sh), else the one on PATH.
+pub fn redis_server_binary() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_string())
+}
+
+/// The redis-server for a TLS-only server: `$REDIS_TLS_SERVER`, else [`redis_server_binary`]. The
+/// Redis 8.2 binary the matrix uses is built without TLS, so scripts/test.sh keeps TLS on Debian's
+/// 7.0 whatever `REDIS_VERSION` says.
+fn redis_tls_server_binary() -> String {
+    std::env::var("REDIS_TLS_SERVER").unwrap_or_else(|_| redis_server_binary())
 }
 
 /// `text` with every byte but ASCII letters and digits percent-encoded, as a URL's password.
@@ -124,7 +133,7 @@ impl Redis {
     /// Spawns the server on its port(s) and waits until it answers PING: `false` if it exited
     /// first (its port was taken).
     fn launch(&mut self) -> bool {
-        let binary = redis_server_binary();
+        let binary = if self.options.tls.is_some() { redis_tls_server_binary() } else { redis_server_binary() };
         let port = self.port.to_string();
         let mut cmd = Command::new(&binary);
         match self.options.tls {

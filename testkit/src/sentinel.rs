@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::dirs::TempDir;
 use crate::os::free_port;
-use crate::redis_server::{stream_keys_on, Redis, StreamStore};
+use crate::redis_server::{redis_server_binary, stream_keys_on, Redis, StreamStore};
 use crate::wait::{wait_for, DEADLINE};
 
 /// The name the sentinels monitor the master under.
@@ -70,7 +70,7 @@ impl SentinelSet {
                     ),
                 )
                 .unwrap_or_else(|e| panic!("write {}: {e}", conf.display()));
-                let child = Command::new("redis-server")
+                let child = Command::new(redis_server_binary())
                     .arg(&conf)
                     .arg("--sentinel")
                     .stdout(Stdio::null())
@@ -102,6 +102,15 @@ impl SentinelSet {
     pub fn url(&self) -> String {
         let hosts: Vec<String> = self.sentinels.iter().map(|s| format!("127.0.0.1:{}", s.port)).collect();
         format!("redis://{}", hosts.join(","))
+    }
+
+    /// One field of the first sentinel's `INFO section` (its version, say), "" when it has none.
+    pub fn sentinel_info_field(&self, section: &str, field: &str) -> String {
+        let Some(mut connection) = self.sentinels.first().and_then(Sentinel::connection) else { return String::new() };
+        let info: String = redis::cmd("INFO").arg(section).query(&mut connection).unwrap_or_default();
+        info.lines()
+            .find_map(|line| line.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_string()))
+            .unwrap_or_default()
     }
 
     /// The master's port as the sentinels' quorum sees it.
