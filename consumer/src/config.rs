@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use crate::connection;
 use crate::error::ConsumerError;
+use outbox_protocol::redis_url;
+use redis::{ConnectionAddr, ConnectionInfo, IntoConnectionInfo};
 
 /// How the Redis deployment is organised, which decides how `redis_url` is read and where keys
 /// live.
@@ -226,7 +227,7 @@ impl ConsumerConfig {
             return invalid("tls_cert_file and tls_key_file must be set together (mutual TLS needs both)".to_string());
         }
         // The URL: its form for the mode, TLS consistency; never echoes credentials.
-        connection::check_url(self).map_err(ConsumerError::InvalidConfig)?;
+        check_url(self).map_err(ConsumerError::InvalidConfig)?;
         if self.redis_mode == RedisMode::Cluster {
             let tag = hash_slot_part(&self.stream);
             let probe = format!("{}:{{{tag}}}:", self.dedup_prefix);
@@ -295,6 +296,80 @@ fn hostname() -> Option<String> {
 #[cfg(not(unix))]
 fn hostname() -> Option<String> {
     std::env::var("COMPUTERNAME").ok().filter(|name| !name.is_empty())
+}
+
+/// Checks `redis_url` against the mode and the TLS settings without connecting: it must parse,
+/// name one server (standalone) or only TCP nodes of one TLS mode and database 0 (cluster), must
+/// not ask to skip certificate verification, and must be `rediss://` if certificates are given.
+pub(crate) fn check_url(config: &ConsumerConfig) -> Result<(), String> {
+    node_infos(config).map(|_| ())
+}
+
+/// The parsed node addresses of `redis_url` for the mode (one for standalone), after the checks
+/// of [`check_url`].
+pub(crate) fn node_infos(config: &ConsumerConfig) -> Result<Vec<ConnectionInfo>, String> {
+    let url = config.redis_url.trim();
+    let urls = node_urls(url)?;
+    if config.redis_mode == RedisMode::Standalone && urls.len() > 1 {
+        return Err(format!(
+            "redis_url lists {} nodes, which is a Redis Cluster seed list: use cluster mode (--redis-mode cluster), \
+             or give one server",
+            urls.len()
+        ));
+    }
+    let mut infos = Vec::with_capacity(urls.len());
+    for (index, node) in urls.iter().enumerate() {
+        let info = node.as_str().into_connection_info().map_err(|_| {
+            let which = if urls.len() > 1 { format!(" (node {})", index + 1) } else { String::new() };
+            format!("redis_url is not a valid Redis URL{which}: {}", describe_location(node))
+        })?;
+        match info.addr() {
+            ConnectionAddr::TcpTls { insecure: true, .. } => return Err(invalid_url(
+                "asks for #insecure TLS; the server's certificate is always verified (give its CA with tls_ca_file)",
+            )),
+            ConnectionAddr::Unix(_) if config.redis_mode == RedisMode::Cluster => {
+                return Err(invalid_url("names a Unix socket; Redis Cluster nodes are reached over TCP"));
+            }
+            _ => {}
+        }
+        let settings = info.redis_settings();
+        if settings.username().is_some() && settings.password().is_none() && config.password_file.is_none() {
+            // The client would not authenticate at all and silently be the default user.
+            return Err(invalid_url(
+                "names a user but no password: put the password in the URL or, better, in password_file",
+            ));
+        }
+        if config.redis_mode == RedisMode::Cluster && settings.db() != 0 {
+            return Err(invalid_url("selects a database other than 0; Redis Cluster has database 0 only"));
+        }
+        infos.push(info);
+    }
+    let tls: Vec<bool> = infos.iter().map(|info| matches!(info.addr(), ConnectionAddr::TcpTls { .. })).collect();
+    if tls.iter().any(|&t| t) && !tls.iter().all(|&t| t) {
+        return Err(invalid_url("mixes rediss:// and redis:// nodes; use one scheme for all"));
+    }
+    let any_tls_file = config.tls_ca_file.is_some() || config.tls_cert_file.is_some() || config.tls_key_file.is_some();
+    if any_tls_file && !tls.first().copied().unwrap_or(false) {
+        // Better refuse than send in the clear what the operator meant to protect.
+        return Err(
+            "tls_ca_file, tls_cert_file or tls_key_file is set but redis_url is not a rediss:// URL".to_string()
+        );
+    }
+    Ok(infos)
+}
+
+pub(crate) fn invalid_url(what: &str) -> String {
+    format!("redis_url {what}")
+}
+
+/// One URL per node `redis_url` names (the forms it may take: outbox_protocol's `redis_url`).
+pub(crate) fn node_urls(url: &str) -> Result<Vec<String>, String> {
+    redis_url::node_urls(url).map_err(|e| format!("redis_url {e}"))
+}
+
+/// What follows the credentials of a URL, up to any query: safe to show in an error.
+fn describe_location(url: &str) -> String {
+    format!("{:?}", redis_url::location(url))
 }
 
 #[cfg(test)]
@@ -395,5 +470,73 @@ mod tests {
                 other => panic!("{name}: expected InvalidConfig, got {other:?}"),
             }
         }
+    }
+
+    fn config_of(url: &str, mode: RedisMode) -> ConsumerConfig {
+        let mut c = ConsumerConfig::new(url, "outbox:order", "billing");
+        c.redis_mode = mode;
+        c
+    }
+
+    #[test]
+    fn compact_seed_list_shares_scheme_credentials_and_suffix() {
+        assert_eq!(
+            node_urls("redis://u:p@10.0.0.1:7000,10.0.0.2:7001/").expect("valid"),
+            vec!["redis://u:p@10.0.0.1:7000/", "redis://u:p@10.0.0.2:7001/"]
+        );
+        assert_eq!(node_urls("rediss://h1:1, h2:2").expect("valid"), vec!["rediss://h1:1", "rediss://h2:2"]);
+        // A comma (or an @) in the password does not split the list: credentials end at the last @.
+        assert_eq!(
+            node_urls("redis://u:a,b@c@h1:1,h2:2").expect("valid"),
+            vec!["redis://u:a,b@c@h1:1", "redis://u:a,b@c@h2:2"]
+        );
+        assert_eq!(node_urls("redis://[::1]:7000").expect("valid"), vec!["redis://[::1]:7000"]);
+    }
+
+    #[test]
+    fn full_url_lists_and_mixes() {
+        assert_eq!(node_urls("redis://a:1/,redis://b:2/").expect("valid"), vec!["redis://a:1/", "redis://b:2/"]);
+        assert_eq!(
+            node_urls("redis://u:p@a:1,b:2,redis://c:3").expect("valid"),
+            vec!["redis://u:p@a:1", "redis://u:p@b:2", "redis://c:3"]
+        );
+        assert!(node_urls("redis://a:1,,b:2").is_err());
+        assert!(node_urls("a:1").is_err());
+        assert!(node_urls("").is_err());
+    }
+
+    #[test]
+    fn url_checks_name_the_problem_and_never_the_password() {
+        let cases = [
+            ("redis://u:secret@a:1,b:2", RedisMode::Standalone, "cluster mode"),
+            ("rediss://u:secret@a:1/#insecure", RedisMode::Standalone, "#insecure"),
+            ("rediss://u:secret@a:1,redis://u:secret@b:2", RedisMode::Cluster, "mixes"),
+            ("redis://u:secret@a:1/3", RedisMode::Cluster, "database"),
+            ("redis+unix:///tmp/r.sock", RedisMode::Cluster, "Unix socket"),
+            ("http://u:secret@a:1", RedisMode::Standalone, "must start with redis://"),
+            ("redis://u@a:1", RedisMode::Standalone, "no password"),
+        ];
+        for (url, mode, needle) in cases {
+            match check_url(&config_of(url, mode)) {
+                Err(message) => {
+                    assert!(message.contains(needle), "{url}: {message}");
+                    assert!(!message.contains("secret"), "{url}: {message}");
+                }
+                Ok(()) => panic!("{url} accepted"),
+            }
+        }
+        assert!(check_url(&config_of("redis://u:secret@a:1/0", RedisMode::Standalone)).is_ok());
+        assert!(check_url(&config_of("redis://a:1,b:2,c:3", RedisMode::Cluster)).is_ok());
+        assert!(check_url(&config_of("rediss://a:1/", RedisMode::Cluster)).is_ok());
+    }
+
+    #[test]
+    fn certificates_need_a_tls_url() {
+        let mut c = config_of("redis://127.0.0.1:6379/", RedisMode::Standalone);
+        c.tls_ca_file = Some("/tmp/ca.crt".into());
+        let message = check_url(&c).expect_err("plain URL with a CA file");
+        assert!(message.contains("rediss://"), "{message}");
+        c.redis_url = "rediss://127.0.0.1:6379/".to_string();
+        assert!(check_url(&c).is_ok());
     }
 }
