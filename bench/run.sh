@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every benchmark side by side in one go and writes bench/results/{report.md,results.json,latency.svg}:
-#   bash bench/run.sh            # full run (about 10 minutes)
+#   bash bench/run.sh            # full run (about 16 minutes)
 #   bash bench/run.sh --quick    # smaller numbers, for a smoke test
 #   BENCH_MODE=drain bash bench/run.sh [--quick]   # the drain figures only, twice (A/B of two builds)
 #   BENCH_MODE=payload bash bench/run.sh [--quick] # one worker's drain of 2 KiB and 16 KiB payloads, twice

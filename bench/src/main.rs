@@ -1513,6 +1513,8 @@ fn command_line(args: &Args) -> String {
         if let Some(retention) = &args.retention {
             command.push_str(&format!(" --retention {retention}"));
         }
+    } else if matches!(args.command.as_str(), "steady" | "cdc") {
+        command.push_str(&format!("BENCH_MODE={} bash bench/run.sh", args.command));
     } else {
         command.push_str("bash bench/run.sh");
     }
