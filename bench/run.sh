@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Runs every benchmark side by side in one go and writes bench/results/{report.md,results.json,latency.svg}:
-#   bash bench/run.sh            # full run (about 10 minutes)
+#   bash bench/run.sh            # full run (about 16 minutes)
 #   bash bench/run.sh --quick    # smaller numbers, for a smoke test
 #   BENCH_MODE=drain bash bench/run.sh [--quick]   # the drain figures only, twice (A/B of two builds)
 #   BENCH_MODE=payload bash bench/run.sh [--quick] # one worker's drain of 2 KiB and 16 KiB payloads, twice
 #   BENCH_MODE=sustained bash bench/run.sh --rate 5000 --minutes 30 [--retention 5min]   # latency, rate reached
 #                                    # and table size minute by minute
+#   BENCH_MODE=steady bash bench/run.sh [--quick] [--minutes 10] [--retention 2min]   # the producers' ceiling,
+#                                    # then a window a minute at 75% of it: p99, pending, log size, relay memory
+#   BENCH_MODE=cdc bash bench/run.sh [--quick]     # issue 39 alone: outbox_pg, the polling relay and the CDC
+#                                    # relay (drain, latency, writers' throughput, WAL, the slot's retained WAL)
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default
-# synchronous_commit) with outbox_pg preloaded and a private Redis on free loopback ports; their logs
+# synchronous_commit, wal_level = logical for the CDC relay's slot) with outbox_pg preloaded and a private Redis on free loopback ports; their logs
 # (slow autovacuums and lock waits included) stay in $BENCH_DIR (default /tmp/opg-bench) afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +40,7 @@ cluster=()
 # An assignment, not `eval "$(...)"`: set -e sees a failed `up` only this way.
 servers=$("$SERVERS" up --dir "$SERVERS_DIR" --pg-config "$PG_CONFIG" "${cluster[@]}" \
   --setting "max_worker_processes = 16" --setting "shared_buffers = '512MB'" --setting "max_wal_size = '4GB'" \
+  --setting "wal_level = logical" \
   --setting "log_autovacuum_min_duration = '1s'" --setting "log_lock_waits = on")
 eval "$servers"
 echo "== redis-server on 127.0.0.1:$REDIS_PORT, PostgreSQL on 127.0.0.1:$PG_PORT (outbox_pg preloaded), in $SERVERS_DIR"
