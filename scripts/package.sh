@@ -73,8 +73,8 @@ echo "== cargo build --release -p outbox-consumer"
 cargo build --release -p outbox-consumer --bin outbox-consume
 
 # Debian's tree layout (postgresql-common's, which PGDG's packages share): what dpkg-deb packs is
-# exactly what lands on disk. pgrx staged the files under the build's pg_config directories, which
-# are Debian's for 15 and the PyPI tree's for the others.
+# exactly what lands on disk. pgrx staged the files under the build's pg_config directories (the
+# private PyPI tree's, scripts/pg-config.sh), whatever those are.
 EXT_ROOT=$STAGE/$EXT_PKG
 CLI_ROOT=$STAGE/$CLI_PKG
 PKGLIBDIR=/usr/lib/postgresql/$PG_MAJOR/lib

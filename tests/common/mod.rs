@@ -7,6 +7,7 @@
 #![allow(dead_code)]
 
 pub mod steps;
+pub mod trees;
 
 use std::collections::HashMap;
 use std::fs;
