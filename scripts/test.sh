@@ -44,25 +44,36 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
 cargo clippy --no-default-features --features "pg$PG_MAJOR" -- -D warnings  # a production build
-cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit --all-targets -- -D warnings
+cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
 
 # OUTBOX_TESTS names a part of the suite (.ci/run on 16 and 17): "lib" (the unit tests and the
-# #[pg_test]s) and integration test files of tests/ by name, e.g. "lib relay faults". Default: all,
-# with the consumer crate's tests.
+# #[pg_test]s), integration test files of tests/ by name, and "pgxn" (META.json, pgxn/), e.g.
+# "lib relay faults". Default: all, with the consumer crate's tests and pgxn.
 targets=()
+pgxn=0
 for name in ${OUTBOX_TESTS:-}; do
-  if [ "$name" = lib ]; then targets+=(--lib); else targets+=(--test "$name"); fi
+  case "$name" in
+    lib) targets+=(--lib) ;;
+    pgxn) pgxn=1 ;;
+    *) targets+=(--test "$name") ;;
+  esac
 done
 
 # The lib test binary runs first: it installs the extension (test build) into PostgreSQL's
 # directories and runs the unit tests and #[pg_test]s. The integration tests then use that install.
-echo "== cargo test"
-# --no-fail-fast: one failing test binary does not hide the results of the others.
-cargo test --no-fail-fast --no-default-features --features "$FEATURES" "${targets[@]}" -- --test-threads="${TEST_THREADS:-2}" "$@"
+if [ -z "${OUTBOX_TESTS:-}" ] || [ ${#targets[@]} -gt 0 ]; then
+  echo "== cargo test"
+  # --no-fail-fast: one failing test binary does not hide the results of the others.
+  cargo test --no-fail-fast --no-default-features --features "$FEATURES" "${targets[@]}" -- --test-threads="${TEST_THREADS:-2}" "$@"
+fi
 
 # The consumer library and CLI (no pgrx), against their own redis-servers; the test servers' own
-# unit tests.
+# unit tests; META.json against the PGXN meta spec (a crate of its own: its validator's
+# dependencies stay out of the extension's builds).
 if [ -z "${OUTBOX_TESTS:-}" ]; then
-  echo "== cargo test -p outbox-consumer -p outbox-testkit"
-  cargo test -p outbox-consumer -p outbox-testkit -- "$@"
+  echo "== cargo test -p outbox-consumer -p outbox-testkit -p outbox-pgxn"
+  cargo test -p outbox-consumer -p outbox-testkit -p outbox-pgxn -- "$@"
+elif [ "$pgxn" = 1 ]; then
+  echo "== cargo test -p outbox-pgxn"
+  cargo test -p outbox-pgxn -- "$@"
 fi
