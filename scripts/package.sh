@@ -70,7 +70,11 @@ PGRX_OUT=$STAGE/pgrx
 cargo pgrx package --no-default-features --features "pg$PG_MAJOR" --pg-config "$PG_CONFIG" --out-dir "$PGRX_OUT"
 
 echo "== cargo build --release -p outbox-consumer"
-cargo build --release -p outbox-consumer --bin outbox-consume
+# A target directory of its own: cargo pgrx builds the extension with rustflags of its own, and in
+# one directory the two release builds rebuilt the dependencies they share (redis, rustls, ring)
+# for each other on every run (seen when tests/image.rs ran after tests/package.rs).
+CLI_TARGET_DIR=$TARGET_DIR/cli
+CARGO_TARGET_DIR=$CLI_TARGET_DIR cargo build --release -p outbox-consumer --bin outbox-consume
 
 # Debian's tree layout (postgresql-common's, which PGDG's packages share): what dpkg-deb packs is
 # exactly what lands on disk. pgrx staged the files under the build's pg_config directories (the
@@ -83,7 +87,7 @@ install -d "$EXT_ROOT/DEBIAN" "$EXT_ROOT$PKGLIBDIR" "$EXT_ROOT$SHAREDIR/extensio
 install -m 0644 "$PGRX_OUT$("$PG_CONFIG" --pkglibdir)"/outbox_pg.so "$EXT_ROOT$PKGLIBDIR/"
 install -m 0644 "$PGRX_OUT$("$PG_CONFIG" --sharedir)"/extension/outbox_pg* "$EXT_ROOT$SHAREDIR/extension/"
 install -d "$CLI_ROOT/DEBIAN" "$CLI_ROOT/usr/bin"
-install -m 0755 "$TARGET_DIR/release/outbox-consume" "$CLI_ROOT/usr/bin/"
+install -m 0755 "$CLI_TARGET_DIR/release/outbox-consume" "$CLI_ROOT/usr/bin/"
 
 # pgrx copies the hand-written upgrade scripts from sql/ next to the generated install script; a
 # package without one of them could not ALTER EXTENSION ... UPDATE, so check rather than trust.
