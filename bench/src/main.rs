@@ -60,7 +60,8 @@ fn parse_args() -> Result<Args> {
         command,
         pg: String::new(),
         redis: String::new(),
-        pgbench: "/opt/postgresql/15/bin/pgbench".into(),
+        // bench/run.sh passes its server's own; this is the private 15's (scripts/pg-config.sh).
+        pgbench: outbox_testkit::default_pg_config().with_file_name("pgbench").to_string_lossy().into_owned(),
         out: "bench/results".into(),
         quick: false,
         batch: 1000,

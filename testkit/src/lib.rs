@@ -33,7 +33,7 @@ pub use cluster::{ClusterNode, ClusterOptions, RedisCluster};
 pub use dirs::{scratch_root, TempDir};
 pub use memory::{rss_kb, PeakMemory};
 pub use os::{as_server_user, chown_to_server_user, free_port, output_within, run, running_as_root};
-pub use postgres::{try_connect, Cluster, ClusterBuilder, PgInstall};
+pub use postgres::{default_pg_config, try_connect, Cluster, ClusterBuilder, PgInstall};
 pub use redis_server::{redis_client, redis_server_binary, stream_keys_on, Redis, RedisOptions, StreamStore};
 pub use sentinel::{SentinelSet, SENTINEL_MASTER};
 pub use tls::{Certificates, ClientTls};

@@ -14,6 +14,13 @@ use crate::dirs::TempDir;
 use crate::os::{as_server_user, chown_to_server_user, free_port, run};
 use crate::wait::{wait_for, DEADLINE};
 
+/// The private PostgreSQL 15 that scripts/install-deps.sh installs (scripts/pg-config.sh 15):
+/// under `$PG_PREFIX`, by default /opt/postgresql.
+pub fn default_pg_config() -> PathBuf {
+    let prefix = std::env::var_os("PG_PREFIX").map_or_else(|| PathBuf::from("/opt/postgresql"), PathBuf::from);
+    prefix.join("15/bin/pg_config")
+}
+
 /// One PostgreSQL installation: what its `pg_config` answers.
 #[derive(Clone, Debug)]
 pub struct PgInstall {
@@ -38,13 +45,12 @@ impl PgInstall {
         }
     }
 
-    /// The installation under test: `$PG_CONFIG`, else the private PostgreSQL 15 (scripts/test.sh
+    /// The installation under test: `$PG_CONFIG`, else [`default_pg_config`] (scripts/test.sh
     /// sets `PG_CONFIG` for the major it runs).
     pub fn under_test() -> &'static PgInstall {
         static UNDER_TEST: OnceLock<PgInstall> = OnceLock::new();
-        UNDER_TEST.get_or_init(|| {
-            PgInstall::at(std::env::var("PG_CONFIG").unwrap_or_else(|_| "/opt/postgresql/15/bin/pg_config".into()))
-        })
+        UNDER_TEST
+            .get_or_init(|| PgInstall::at(std::env::var_os("PG_CONFIG").map_or_else(default_pg_config, PathBuf::from)))
     }
 
     /// What `pg_config flag` prints, trimmed.

@@ -35,9 +35,7 @@ fn parse(args: &[String]) -> Result<(String, Up), String> {
     let (command, rest) = args.split_first().ok_or("no command")?;
     let mut up = Up {
         dir: PathBuf::new(),
-        pg_config: std::env::var_os("PG_CONFIG")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from("/opt/postgresql/15/bin/pg_config")),
+        pg_config: std::env::var_os("PG_CONFIG").map_or_else(outbox_testkit::default_pg_config, PathBuf::from),
         settings: Vec::new(),
         cluster_masters: None,
     };
