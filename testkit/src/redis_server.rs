@@ -20,7 +20,7 @@ pub fn redis_server_binary() -> String {
     std::env::var("REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_string())
 }
 
-/// The redis-server for a TLS-only server: `$REDIS_TLS_SERVER`, else [`redis_server_binary`]. The
+/// The redis-server for a server with TLS: `$REDIS_TLS_SERVER`, else [`redis_server_binary`]. The
 /// Redis 8.2 binary the matrix uses is built without TLS, so scripts/test.sh keeps TLS on Debian's
 /// 7.0 whatever `REDIS_VERSION` says.
 fn redis_tls_server_binary() -> String {
@@ -133,7 +133,9 @@ impl Redis {
     /// Spawns the server on its port(s) and waits until it answers PING: `false` if it exited
     /// first (its port was taken).
     fn launch(&mut self) -> bool {
-        let binary = if self.options.tls.is_some() { redis_tls_server_binary() } else { redis_server_binary() };
+        // A server with a TLS port besides its plain one (tests/redis_tls.rs) needs TLS too.
+        let tls = self.options.tls.is_some() || self.options.args.iter().any(|arg| arg == "--tls-port");
+        let binary = if tls { redis_tls_server_binary() } else { redis_server_binary() };
         let port = self.port.to_string();
         let mut cmd = Command::new(&binary);
         match self.options.tls {
