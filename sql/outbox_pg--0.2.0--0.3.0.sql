@@ -1,5 +1,14 @@
--- outbox_pg 0.2.0 -> 0.3.0. Every schema change made after 0.2.0 goes here, in the commit that
--- makes it (sql/README.md). tests/upgrade.rs checks that the result equals a fresh 0.3.0 install.
+-- outbox_pg 0.2.0 -> 0.3.0, made by `python3 scripts/sql.py write` from
+-- sql/upgrade/outbox_pg--0.2.0--0.3.0.sql (what cannot be replaced in place) and the
+-- functions, views, triggers, comments and grants of src/sql/ (replaced in place). Do not edit:
+-- edit those files and run the script again (sql/README.md).
+-- outbox_pg 0.2.0 -> 0.3.0, the part written by hand: what an upgrade cannot take from src/sql/
+-- (tables, indexes, sequences and their comments and grants, data, the Rust functions'
+-- declarations, and the functions and indexes it must drop). `python3 scripts/sql.py write` puts
+-- every function, view, trigger, comment and grant of src/sql/ after it (at `-- @replaceable`) and
+-- writes sql/outbox_pg--0.2.0--0.3.0.sql; sql/README.md has the rules.
+
+-- tests/upgrade.rs checks that the whole script makes a schema equal to a fresh 0.3.0 install.
 \echo Use "ALTER EXTENSION outbox_pg UPDATE" to load this file. \quit
 
 -- Bounded windows: snapshots recorded while events wait; a shard more than a second behind reads up
@@ -9,12 +18,411 @@ CREATE TABLE outbox.snapshots (
     taken_at timestamptz PRIMARY KEY,
     snap     pg_snapshot NOT NULL
 );
+
 COMMENT ON TABLE outbox.snapshots IS
     'outbox_pg: snapshots taken while events were undelivered; a lagging shard reads up to the next one rather than the whole backlog';
+
 GRANT SELECT ON outbox.snapshots TO outbox_admin;
 
 DROP FUNCTION outbox._claim_shards(integer, integer, integer);
-CREATE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
+
+-- The relays read the log in Rust, straight from its indexes (src/log/window.rs).
+DROP FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer);
+
+-- outbox_enqueue in Rust (src/enqueue/mod.rs): the same checks and the same row, through kept plans;
+-- SECURITY DEFINER without a pinned search_path (its statements qualify every name). Its SQL
+-- helper _prepare_enqueue is gone with the PL/pgSQL body.
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb DEFAULT NULL,
+    stream         text  DEFAULT NULL
+) RETURNS uuid
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SECURITY DEFINER
+AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
+
+DROP FUNCTION outbox._prepare_enqueue(text, text, text, text);
+
+-- The finish updates the counters the batch's read found and inserts the others (no INSERT ... ON
+-- CONFLICT per new aggregate), and moves the shards first: one argument more.
+DROP FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigint[]);
+
+-- -------------------------------------------------------------------------------------------------
+-- Nothing committed is lost, under any interleaving (issue 23).
+-- -------------------------------------------------------------------------------------------------
+
+-- Retention: a closed table's bound is the next transaction id to be assigned (a snapshot's xmax
+-- is not above every running writer); a table is truncated once it has been consumed for keep,
+-- or for what outbox.purge asked (docs/worker.md, "Retention and table size").
+CREATE  FUNCTION outbox."_next_xid"() RETURNS bigint /* i64 */
+STRICT VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'next_xid_wrapper';
+
+ALTER TABLE outbox.generations ADD COLUMN consumed_at timestamptz, ADD COLUMN keep_for interval;
+
+-- A table 0.2.0 closed may have a bound below a writer that was still running: raise it to one
+-- that is above every transaction that has an id now.
+UPDATE outbox.generations SET closed_below = greatest(closed_below, outbox._next_xid()::text::xid8) WHERE state = 'closed';
+
+DROP FUNCTION outbox._retention(interval, boolean);
+
+-- Order locks: the cap counts the locks held; past it, a shared lock that forget_aggregates takes
+-- exclusively (src/enqueue/order.rs).
+CREATE  FUNCTION outbox."_exclude_transactions_past_the_cap"() RETURNS bool /* bool */
+STRICT VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'exclude_transactions_past_the_cap_wrapper';
+
+-- Bounded rounds: a window too large for one round is published in parts, transaction by
+-- transaction in the order of their largest ids, read on from an id (src/log/window.rs).
+ALTER TABLE outbox.shards ADD COLUMN window_upto pg_snapshot, ADD COLUMN window_max_id bigint,
+                          ADD COLUMN window_last_id bigint,
+                          ADD CONSTRAINT shards_window_whole CHECK ((window_upto IS NULL) = (window_max_id IS NULL)
+                                          AND (window_upto IS NULL) = (window_last_id IS NULL));
+
+DROP INDEX outbox.events_0_batch_idx;
+
+CREATE INDEX events_0_batch_idx ON outbox.events_0 (shard, txid, id);
+
+DROP INDEX outbox.events_1_batch_idx;
+
+CREATE INDEX events_1_batch_idx ON outbox.events_1 (shard, txid, id);
+
+DROP INDEX outbox.events_2_batch_idx;
+
+CREATE INDEX events_2_batch_idx ON outbox.events_2 (shard, txid, id);
+
+-- Copies: CREATE DATABASE ... TEMPLATE of a relayed database is not relayed until adopted.
+CREATE TABLE outbox.installation (
+    database_oid oid         NOT NULL,
+    installed_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+CREATE UNIQUE INDEX installation_one_row ON outbox.installation ((true));
+
+INSERT INTO outbox.installation (database_oid)
+SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database();
+
+COMMENT ON TABLE outbox.installation IS
+    'outbox_pg: the database this outbox belongs to; a copy made by CREATE DATABASE ... TEMPLATE is not relayed until outbox.adopt_copy()';
+
+GRANT SELECT ON outbox.installation TO outbox_admin;
+
+-- Health from index walks whatever the statistics (src/log/pending.rs): outbox._undelivered() is
+-- replaced by outbox._health(), which outbox.stats and oldest_pending_age() read.
+CREATE FUNCTION outbox._log_pending(count_events boolean)
+RETURNS TABLE (events bigint, oldest timestamptz)
+LANGUAGE c STRICT VOLATILE
+AS 'MODULE_PATHNAME', 'log_pending_sql_wrapper';
+
+-- Replay (src/sql/replay.sql): the journal of what each round published, replays, stream marks
+-- and the losses the relays notice. Its Rust helpers first.
+CREATE  FUNCTION outbox."_wake_for_replay"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'wake_for_replay_wrapper';
+
+CREATE  FUNCTION outbox."_check_allowed_stream"(
+	"stream" TEXT /* & str */
+) RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'check_allowed_stream_for_replay_wrapper';
+
+-- Replay: sending events Redis lost (or that a new consumer needs) again, from the outbox, which
+-- keeps every published event for outbox.retention. docs/worker.md, "Replay" and "When Redis loses
+-- entries"; the relay side is src/relay/replay.rs.
+--
+-- What each round published is journaled by its finish (outbox._advance): the event ids in the
+-- order they went out and the aggregate_seq each was given. A replay walks that journal, so it
+-- sends exactly the events that were published, in the order they were (commit order per
+-- aggregate), with the aggregate_seq they had; it never sends an event that was not published,
+-- and it marks nothing.
+
+-- -------------------------------------------------------------------------------------------------
+-- The journal: one row per finished round that published something, in the table of the log's
+-- generation that was current then, truncated with it (outbox._retention). Insert-only.
+-- -------------------------------------------------------------------------------------------------
+CREATE SEQUENCE outbox.journal_round_seq AS bigint;
+
+COMMENT ON SEQUENCE outbox.journal_round_seq IS
+    'outbox_pg: numbers the journal''s rounds in the order they were finished';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.journal_round_seq', '');
+
+DO $tables$
+BEGIN
+    FOR generation IN 0..2 LOOP
+        EXECUTE format($ddl$
+            CREATE TABLE outbox.journal_%1$s (
+                round       bigint      PRIMARY KEY,
+                finished_at timestamptz NOT NULL,
+                -- How many events the round published (the arrays' length).
+                events      integer     NOT NULL,
+                -- In the order Redis received them, and the aggregate_seq each was sent with.
+                event_ids   uuid[]      NOT NULL,
+                seqs        bigint[]    NOT NULL
+            ) WITH (autovacuum_vacuum_insert_threshold = -1)$ddl$, generation);
+        -- Stored out of line as they are: a round's ids (16 bytes of randomness each) do not
+        -- compress, and trying (pglz) took 13% of the relay's CPU in a drain.
+        EXECUTE format('ALTER TABLE outbox.journal_%1$s ALTER COLUMN event_ids SET STORAGE EXTERNAL,
+                                                      ALTER COLUMN seqs SET STORAGE EXTERNAL', generation);
+        EXECUTE format('CREATE INDEX journal_%1$s_finished_idx ON outbox.journal_%1$s (finished_at)', generation);
+        EXECUTE format($c$COMMENT ON TABLE outbox.journal_%1$s IS
+            'outbox_pg: what each round published while log table %1$s was current (read it through outbox.journal)'$c$,
+            generation);
+        EXECUTE format('SELECT pg_catalog.pg_extension_config_dump(''outbox.journal_%1$s'', '''')', generation);
+    END LOOP;
+END
+$tables$;
+
+-- -------------------------------------------------------------------------------------------------
+-- Replays asked for, and their progress.
+-- -------------------------------------------------------------------------------------------------
+-- A sequence of its own, not an identity column: pg_dump keeps an extension's sequence values only
+-- for sequences registered like its tables.
+CREATE SEQUENCE outbox.replay_id_seq AS bigint;
+
+COMMENT ON SEQUENCE outbox.replay_id_seq IS 'outbox_pg: replay ids (outbox.replays)';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_id_seq', '');
+
+CREATE TABLE outbox.replay_requests (
+    id              bigint      PRIMARY KEY DEFAULT nextval('outbox.replay_id_seq'),
+    requested_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
+    requested_by    name        NOT NULL DEFAULT session_user,
+    -- The selection: events enqueued in [since, until), published at or after published_since,
+    -- and matching every filter given.
+    since           timestamptz NOT NULL,
+    until           timestamptz,
+    published_since timestamptz,
+    streams         text[],
+    -- streams are exact keys, not patterns (outbox.repair_losses: the stream Redis lost, whatever
+    -- its characters).
+    exact_streams   boolean     NOT NULL DEFAULT false,
+    aggregate_types text[],
+    event_ids       uuid[],
+    -- Sent to this stream instead of each event's own.
+    into_stream     text,
+    -- At most this many events a second (NULL: as fast as the relays go between live rounds).
+    max_rate        integer CHECK (max_rate > 0),
+    -- The journal rounds it walks: from first_round to last_round (the last finished when it was
+    -- asked for; later rounds are live traffic), and how many events they hold.
+    first_round     bigint      NOT NULL,
+    last_round      bigint      NOT NULL,
+    journaled       bigint      NOT NULL,
+    state           text        NOT NULL DEFAULT 'running' CHECK (state IN ('running', 'done', 'cancelled')),
+    -- Where it stands: the next journal round, and the position in that round's arrays.
+    next_round      bigint      NOT NULL,
+    next_index      integer     NOT NULL DEFAULT 0,
+    -- Journal entries walked so far; events sent, left out by the filters, no longer in the log
+    -- (retention removed them meanwhile, with or without the journal rounds naming them: what the
+    -- walk did not reach of `journaled` when it ends is missing too), refused by Redis.
+    walked          bigint      NOT NULL DEFAULT 0,
+    replayed        bigint      NOT NULL DEFAULT 0,
+    filtered        bigint      NOT NULL DEFAULT 0,
+    missing         bigint      NOT NULL DEFAULT 0,
+    errors          bigint      NOT NULL DEFAULT 0,
+    last_error      text,
+    -- The relay replaying it (a claim with a lease, like a shard's), and when the throttle lets
+    -- it go on.
+    claimed_by      integer,
+    claimed_at      timestamptz,
+    not_before      timestamptz,
+    finished_at     timestamptz
+);
+
+CREATE INDEX replay_requests_running_idx ON outbox.replay_requests (id) WHERE state = 'running';
+
+COMMENT ON TABLE outbox.replay_requests IS
+    'outbox_pg: replays asked for with outbox.replay(), with their progress (read them through outbox.replays)';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_requests', '');
+
+-- -------------------------------------------------------------------------------------------------
+-- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.
+-- -------------------------------------------------------------------------------------------------
+CREATE TABLE outbox.stream_marks (
+    -- Which Redis (its nodes as the relay names them in its logs, never credentials, and
+    -- " db N" for a database other than 0): the marks of one say nothing of another's.
+    target     text        COLLATE "C" NOT NULL,
+    stream     text        COLLATE "C" NOT NULL,
+    -- The last entry ID Redis returned for this stream (<ms>-<seq>), and when it was written.
+    last_ms    bigint      NOT NULL,
+    last_seq   bigint      NOT NULL,
+    written_at timestamptz NOT NULL,
+    PRIMARY KEY (target, stream)
+);
+
+COMMENT ON TABLE outbox.stream_marks IS
+    'outbox_pg: per stream, the last entry ID Redis returned to a relay: what the relays check Redis still has';
+
+CREATE SEQUENCE outbox.redis_loss_id_seq AS bigint;
+
+COMMENT ON SEQUENCE outbox.redis_loss_id_seq IS 'outbox_pg: loss ids (outbox.redis_losses)';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.redis_loss_id_seq', '');
+
+CREATE TABLE outbox.redis_losses (
+    id          bigint      PRIMARY KEY DEFAULT nextval('outbox.redis_loss_id_seq'),
+    stream      text        COLLATE "C" NOT NULL,
+    detected_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- What a relay had written last (entry ID, when), and what Redis had then (NULL: no stream).
+    expected_id text        NOT NULL,
+    expected_at timestamptz NOT NULL,
+    found_id    text,
+    -- The replay that repairs it (outbox.repair_losses, or outbox.replay_on_loss): the last one
+    -- asked for. Repaired once it is done with events replayed and none refused.
+    replay_id   bigint,
+    UNIQUE (stream, expected_id)
+);
+
+COMMENT ON TABLE outbox.redis_losses IS
+    'outbox_pg: streams Redis lost entries of after acknowledging them, as the relays found, and the replay that repairs each';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
+
+-- -------------------------------------------------------------------------------------------------
+-- A COMMENT on every object (src/sql/, one file per concern; issue 25).
+-- -------------------------------------------------------------------------------------------------
+-- The data (schema.sql).
+COMMENT ON SEQUENCE outbox.events_id_seq IS
+    'outbox_pg: event ids, ascending across the three log tables (within an aggregate, id order is commit order)';
+
+COMMENT ON INDEX outbox.events_0_batch_idx IS
+    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
+
+COMMENT ON INDEX outbox.events_1_batch_idx IS
+    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
+
+COMMENT ON INDEX outbox.events_2_batch_idx IS
+    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
+
+COMMENT ON INDEX outbox.events_0_event_id_idx IS
+    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
+
+COMMENT ON INDEX outbox.events_1_event_id_idx IS
+    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
+
+COMMENT ON INDEX outbox.events_2_event_id_idx IS
+    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
+
+COMMENT ON INDEX outbox.generations_one_current IS
+    'outbox_pg: one current table at most; outbox_enqueue finds it through this index (by name)';
+
+COMMENT ON TABLE outbox.ticks IS
+    'outbox_pg: when each shard''s cursor passed where, about once a second at most: outbox.messages.published_at';
+
+COMMENT ON INDEX outbox.ticks_shard_at_idx IS
+    'outbox_pg: a shard''s ticks in time order (published_at; the latest, for outbox.stats.last_published_at)';
+
+COMMENT ON INDEX outbox.held_undelivered_idx IS
+    'outbox_pg: what the failure path still holds, per shard and aggregate in aggregate_seq order; the relay''s statements spell its predicate to use it';
+
+COMMENT ON INDEX outbox.held_done_idx IS
+    'outbox_pg: the failure path''s published and skipped rows by age, for retention';
+
+COMMENT ON INDEX outbox.aggregates_pkey IS
+    'outbox_pg: the relays read each aggregate''s counter through this index (by name), one probe per aggregate';
+
+COMMENT ON INDEX outbox.processed_messages_processed_at_idx IS
+    'outbox_pg: dedup marks by age, for outbox.retention and outbox.purge_processed';
+
+COMMENT ON INDEX outbox.installation_one_row IS 'outbox_pg: one row at most';
+
+-- -------------------------------------------------------------------------------------------------
+-- Replaced in place: every function, view, trigger, comment and grant of src/sql/.
+-- -------------------------------------------------------------------------------------------------
+-- src/sql/schema.sql
+COMMENT ON SCHEMA outbox IS 'outbox_pg: the outbox table and the relay''s functions';
+
+CREATE OR REPLACE VIEW outbox.events AS
+    SELECT 0::smallint AS generation, e.* FROM outbox.events_0 e
+    UNION ALL
+    SELECT 1::smallint, e.* FROM outbox.events_1 e
+    UNION ALL
+    SELECT 2::smallint, e.* FROM outbox.events_2 e;
+
+COMMENT ON VIEW outbox.events IS 'outbox_pg: the event log, all three generations';
+
+CREATE OR REPLACE FUNCTION outbox._initial_cursor() RETURNS pg_snapshot
+LANGUAGE sql VOLATILE SET search_path = pg_catalog, pg_temp
+AS $fn$
+    -- The caller's transaction id may be assigned after its snapshot was taken (then it is not
+    -- below the snapshot's xmax): the cursor's xmax is raised above it.
+    WITH now_ AS (SELECT pg_current_xact_id()::text::bigint AS me, pg_current_snapshot() AS snap),
+         bounds AS (SELECT me, snap, least(pg_snapshot_xmin(snap)::text::bigint, me) AS xmin,
+                           greatest(pg_snapshot_xmax(snap)::text::bigint, me + 1) AS xmax FROM now_)
+    SELECT (xmin::text || ':' || xmax::text || ':'
+            || array_to_string(ARRAY(SELECT x FROM (SELECT pg_snapshot_xip(snap)::text::bigint AS x UNION SELECT me) ids
+                                      ORDER BY x), ','))::pg_snapshot
+      FROM bounds
+$fn$;
+
+COMMENT ON FUNCTION outbox._initial_cursor() IS
+    'Internal: the cursor a new installation starts from: everything visible now is consumed, except the calling transaction';
+
+REVOKE ALL ON FUNCTION outbox._initial_cursor() FROM PUBLIC;
+
+GRANT USAGE ON SCHEMA outbox TO outbox_admin;
+
+GRANT SELECT ON outbox.events TO outbox_admin;
+
+-- src/sql/enqueue.sql
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    headers        jsonb DEFAULT NULL,
+    stream         text  DEFAULT NULL
+) RETURNS uuid
+-- src/enqueue/: the argument checks, the order lock, and one insert into the log's current table
+-- through plans kept for the session.
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+-- No SET search_path clause (it would cost a GUC save and restore on every call): the direct
+-- insert runs no user code, and the executor path (a table a DBA gave a trigger) pins
+-- search_path = pg_catalog, pg_temp itself around the insert (src/enqueue/).
+SECURITY DEFINER
+AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
+
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) IS
+    'Writes one event to the outbox log in the caller''s transaction and returns its event_id; the relay publishes it to Redis after commit';
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(aggregate_type text, aggregate_id bigint, event_type text, payload jsonb,
+                                           headers jsonb DEFAULT NULL, stream text DEFAULT NULL) RETURNS uuid
+LANGUAGE sql VOLATILE PARALLEL UNSAFE
+AS $fn$ SELECT @extschema@.outbox_enqueue($1, $2::text, $3, $4, $5, $6) $fn$;
+
+CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(aggregate_type text, aggregate_id uuid, event_type text, payload jsonb,
+                                           headers jsonb DEFAULT NULL, stream text DEFAULT NULL) RETURNS uuid
+LANGUAGE sql VOLATILE PARALLEL UNSAFE
+AS $fn$ SELECT @extschema@.outbox_enqueue($1, $2::text, $3, $4, $5, $6) $fn$;
+
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) IS
+    'outbox_enqueue for a bigint aggregate id (stored as its text form)';
+
+COMMENT ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) IS
+    'outbox_enqueue for a uuid aggregate id (stored as its text form)';
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) FROM PUBLIC;
+
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, text, text, jsonb, jsonb, text) TO outbox_writer;
+
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, bigint, text, jsonb, jsonb, text) TO outbox_writer;
+
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_enqueue(text, uuid, text, jsonb, jsonb, text) TO outbox_writer;
+
+-- src/sql/relay/claim.sql
+CREATE OR REPLACE FUNCTION outbox._claim_shards(relay_pid integer, share integer, lease_ms integer)
 RETURNS TABLE (shard smallint, cursor text, cursor_age_ms bigint, upto text, held boolean, bounded boolean,
                window_max_id bigint, window_last_id bigint)
 LANGUAGE plpgsql VOLATILE
@@ -68,148 +476,13 @@ BEGIN
           FROM mine m LEFT JOIN bounds b ON b.shard = m.shard ORDER BY m.shard;
 END
 $fn$;
+
+COMMENT ON FUNCTION outbox._claim_shards(integer, integer, integer) IS
+    'Relay internal: takes and keeps this relay''s share of the shards (SKIP LOCKED, lease) and returns what each reads up to this round';
+
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 
--- The relays read the log in Rust, straight from its indexes (src/log/window.rs).
-DROP FUNCTION outbox._read_batch(smallint[], text[], pg_snapshot, integer);
-
-CREATE FUNCTION outbox._record_snapshot(record boolean)
-RETURNS boolean
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-SET jit = off
-AS $fn$
-BEGIN
-    DELETE FROM outbox.snapshots p
-     WHERE pg_snapshot_xmax(p.snap) <= (SELECT min(pg_snapshot_xmax(s.cursor)) FROM outbox.shards s);
-    IF NOT record
-       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > clock_timestamp() - interval '900 milliseconds') THEN
-        RETURN false;
-    END IF;
-    INSERT INTO outbox.snapshots (taken_at, snap) VALUES (clock_timestamp(), pg_current_snapshot());
-    RETURN true;
-END
-$fn$;
-REVOKE ALL ON FUNCTION outbox._record_snapshot(boolean) FROM PUBLIC;
-
--- A restore also forgets the recorded snapshots (they belong to the old transaction counter).
-CREATE OR REPLACE FUNCTION outbox._rebase()
-RETURNS boolean
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    me xid8 := pg_current_xact_id();
-    consumed_txid constant xid8 := '3';  -- FrozenTransactionId: below every cursor
-    fresh pg_snapshot;
-    undelivered bigint := 0;
-    n bigint;
-BEGIN
-    IF (SELECT count(*) FROM outbox.restored_shards) < 16 OR (SELECT count(*) FROM outbox.restored_generations) < 3 THEN
-        RETURN false;
-    END IF;
-    -- Nobody relays while the state is being translated (a restore outside one transaction).
-    LOCK TABLE outbox.shards, outbox.generations IN EXCLUSIVE MODE;
-
-    FOR generation IN 0..2 LOOP
-        EXECUTE format(
-            'UPDATE outbox.events_%s e
-                SET txid = CASE WHEN pg_visible_in_snapshot(e.txid, r.cursor) THEN $1 ELSE $2 END
-               FROM outbox.restored_shards r
-              WHERE r.shard = e.shard AND e.txid <> $1', generation)
-            USING consumed_txid, me;
-        EXECUTE format('SELECT count(*) FROM outbox.events_%s WHERE txid = $1', generation) INTO n USING me;
-        undelivered := undelivered + n;
-    END LOOP;
-
-    -- Every cursor starts just before the restoring transaction (outbox._initial_cursor keeps it in
-    -- progress), so that its events are the first batch.
-    fresh := outbox._initial_cursor();
-    -- A window the dumped relays were publishing in parts starts again whole: what they had
-    -- published of it is published again (at least once, as for anything published after the dump).
-    UPDATE outbox.shards s
-       SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL,
-           window_upto = NULL, window_max_id = NULL, window_last_id = NULL;
-    -- published_at of the restored published events: the dumped cursor's time, an upper bound.
-    DELETE FROM outbox.ticks;
-    DELETE FROM outbox.snapshots;
-    INSERT INTO outbox.ticks (shard, cursor, at)
-    SELECT r.shard, fresh, r.cursor_at FROM outbox.restored_shards r;
-
-    -- One current table at every step (a unique index): clear first, then take the dumped states.
-    -- A table the dumped cluster was still closing had no writer left when it was dumped.
-    UPDATE outbox.generations
-       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL,
-           consumed_at = NULL, keep_for = NULL;
-    UPDATE outbox.generations g
-       SET state = CASE r.state WHEN 'closing' THEN 'closed' ELSE r.state END,
-           opened_at = r.opened_at,
-           closed_at = r.closed_at,
-           closed_below = CASE WHEN r.state IN ('closing', 'closed') THEN pg_snapshot_xmax(fresh) END
-      FROM outbox.restored_generations r
-     WHERE r.generation = g.generation;
-    IF NOT EXISTS (SELECT 1 FROM outbox.generations WHERE state = 'current') THEN
-        UPDATE outbox.generations SET state = 'current', opened_at = clock_timestamp()
-         WHERE generation = (SELECT min(generation) FROM outbox.generations WHERE state = 'empty');
-    END IF;
-
-    DELETE FROM outbox.restored_shards;
-    DELETE FROM outbox.restored_generations;
-    RAISE LOG 'outbox_pg: restored outbox rebased onto this cluster''s transaction ids; % undelivered events will be published', undelivered;
-    RETURN true;
-END
-$fn$;
-
--- outbox_enqueue in Rust (src/enqueue/mod.rs): the same checks and the same row, through kept plans;
--- SECURITY DEFINER without a pinned search_path (its statements qualify every name). Its SQL
--- helper _prepare_enqueue is gone with the PL/pgSQL body.
-CREATE OR REPLACE FUNCTION @extschema@.outbox_enqueue(
-    aggregate_type text,
-    aggregate_id   text,
-    event_type     text,
-    payload        jsonb,
-    headers        jsonb DEFAULT NULL,
-    stream         text  DEFAULT NULL
-) RETURNS uuid
-LANGUAGE c VOLATILE PARALLEL UNSAFE
-SECURITY DEFINER
-AS 'MODULE_PATHNAME', 'outbox_enqueue_wrapper';
-DROP FUNCTION outbox._prepare_enqueue(text, text, text, text);
-
--- Comment only: the relays read the log in Rust now (src/log/window.rs).
-CREATE OR REPLACE FUNCTION outbox.oldest_pending_age()
-RETURNS interval
-LANGUAGE plpgsql STABLE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-SET jit = off
-SET enable_seqscan = off
-AS $fn$
-DECLARE
-    oldest timestamptz;
-    now_snapshot pg_snapshot := pg_current_snapshot();
-BEGIN
-    SELECT min(u.created_at) INTO oldest
-      FROM outbox.shards s
-     CROSS JOIN LATERAL (
-               -- Two index ranges per shard, as the relays read them (src/log/window.rs).
-               SELECT min(e.created_at) AS created_at
-                 FROM outbox.events e
-                WHERE e.shard = s.shard AND e.txid >= pg_snapshot_xmax(s.cursor)
-                  AND pg_visible_in_snapshot(e.txid, now_snapshot)
-               UNION ALL
-               SELECT min(e.created_at)
-                 FROM outbox.events e
-                WHERE e.shard = s.shard AND e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.cursor)))
-                  AND pg_visible_in_snapshot(e.txid, now_snapshot)
-               UNION ALL
-               SELECT min(h.created_at) FROM outbox.held h WHERE h.shard = s.shard AND h.status = 'waiting') u;
-    RETURN clock_timestamp() - oldest;
-END
-$fn$;
-
--- The failure path's probes no longer depend on the statistics either: one index probe per
--- aggregate (_held_aggregates), the rejected rows found through the primary key (_settle_held).
+-- src/sql/relay/failure_path.sql
 CREATE OR REPLACE FUNCTION outbox._held_aggregates(aggregate_types text[], aggregate_ids text[], shards smallint[])
 RETURNS SETOF bigint
 LANGUAGE plpgsql STABLE
@@ -234,6 +507,86 @@ BEGIN
                               LIMIT 1) w;
 END
 $fn$;
+
+COMMENT ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) IS
+    'Relay internal: which of these aggregates (1-based positions) have events on the failure path, so that their new events wait behind them';
+
+CREATE OR REPLACE FUNCTION outbox._held_due(shards smallint[], max_events integer, in_order boolean DEFAULT true)
+RETURNS TABLE (
+    id             bigint,
+    event_id       text,
+    aggregate_type text,
+    aggregate_id   text,
+    aggregate_seq  bigint,
+    event_type     text,
+    payload        text,
+    headers        text,
+    stream         text,
+    created_at     text
+)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        WITH undelivered AS MATERIALIZED (
+            SELECT h.*,
+                   bool_or(h.status = 'failed' OR coalesce(h.available_at > clock_timestamp(), false))
+                       OVER (PARTITION BY h.aggregate_type, h.aggregate_id ORDER BY h.aggregate_seq
+                             ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS blocked
+              FROM outbox.held h
+             WHERE h.shard = ANY (shards) AND h.status IN ('waiting', 'failed')
+        )
+        SELECT u.id, u.event_id::text, u.aggregate_type, u.aggregate_id, u.aggregate_seq, u.event_type,
+               u.payload::text, u.headers::text, u.stream,
+               to_char(u.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')
+          FROM undelivered u
+         WHERE u.status = 'waiting'
+           AND (CASE WHEN in_order THEN NOT u.blocked ELSE (u.available_at IS NULL OR u.available_at <= clock_timestamp()) END)
+         ORDER BY u.id
+         LIMIT max_events;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._held_due(smallint[], integer, boolean) IS
+    'Relay internal: the failure path''s events due now in these shards, each aggregate''s up to its first one backing off or failed (in_order)';
+
+CREATE OR REPLACE FUNCTION outbox._hold(event_ids uuid[], seqs bigint[], errors text[], max_attempts integer, retry_delay_ms integer)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+DECLARE
+    failed bigint;
+BEGIN
+    WITH held AS (
+        INSERT INTO outbox.held AS h (id, event_id, shard, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                      payload, headers, stream, created_at, status, attempts, rejections,
+                                      available_at, failed_at, last_error)
+        SELECT e.id, e.event_id, e.shard, e.aggregate_type, e.aggregate_id, x.seq, e.event_type, e.payload,
+               e.headers, e.stream, e.created_at,
+               CASE WHEN x.error IS NOT NULL AND max_attempts <= 1 THEN 'failed' ELSE 'waiting' END,
+               (x.error IS NOT NULL)::integer,
+               (x.error IS NOT NULL)::integer,
+               CASE WHEN x.error IS NOT NULL THEN clock_timestamp() + retry_delay_ms * interval '1 millisecond' END,
+               CASE WHEN x.error IS NOT NULL AND max_attempts <= 1 THEN clock_timestamp() END,
+               x.error
+          FROM unnest(event_ids, seqs, errors) AS x(event_id, seq, error)
+         CROSS JOIN LATERAL (SELECT * FROM outbox.events v WHERE v.event_id = x.event_id LIMIT 1) e
+        ON CONFLICT (id) DO NOTHING
+        RETURNING h.status
+    )
+    SELECT count(*) FILTER (WHERE status = 'failed') INTO failed FROM held;
+    RETURN failed;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._hold(uuid[], bigint[], text[], integer, integer) IS
+    'Relay internal: moves events Redis rejected, and the events of their aggregates behind them, from the log to the failure path; returns how many failed';
 
 CREATE OR REPLACE FUNCTION outbox._settle_held(published_ids bigint[], rejected_ids bigint[], errors text[],
                                     max_attempts integer, retry_delay_ms integer)
@@ -269,22 +622,19 @@ BEGIN
 END
 $fn$;
 
--- The finish updates the counters the batch's read found and inserts the others (no INSERT ... ON
--- CONFLICT per new aggregate), and moves the shards first: one argument more.
-DROP FUNCTION outbox._advance(integer, smallint[], text[], text[], text[], bigint[]);
--- Finishes a batch: advances each shard's cursor, for shards this relay still holds (a shard taken
--- over after this relay's lease expired raises, so the whole finish rolls back and the new holder
--- publishes the batch again: a duplicate, never a gap), and the counters of the aggregates it
--- consumed. Records a tick (for published_at) per shard at most about once a second.
---
--- The shards go first: their row locks keep any other relay from taking them over until this
--- commits, so nobody else writes the counters of their aggregates meanwhile. counted[n] says
--- whether the batch's read found aggregate n's counter. Those are upserted: ON CONFLICT finds the
--- row before inserting and updates it (one that was deleted meanwhile is inserted again). The
--- others are plain INSERTs, which cost half of what ON CONFLICT does for a new row (no
--- speculative insertion); a workload where every event is its own aggregate (a payment, an
--- order) makes a new counter for every event (docs/performance.md).
-CREATE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
+COMMENT ON FUNCTION outbox._settle_held(bigint[], bigint[], text[], integer, integer) IS
+    'Relay internal: marks the failure path''s events Redis accepted published, and backs off or fails those it rejected again; returns how many failed';
+
+REVOKE ALL ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._held_due(smallint[], integer, boolean) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._hold(uuid[], bigint[], text[], integer, integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._settle_held(bigint[], bigint[], text[], integer, integer) FROM PUBLIC;
+
+-- src/sql/relay/finish.sql
+CREATE OR REPLACE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
                                 window_uptos text[], window_max_ids bigint[], window_last_ids bigint[],
                                 aggregate_types text[], aggregate_ids text[], last_seqs bigint[],
                                 counted boolean[], published uuid[], published_seqs bigint[])
@@ -352,42 +702,56 @@ BEGIN
     END IF;
 END
 $fn$;
+
+COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) IS
+    'Relay internal: finishes a batch: moves the cursors (or window positions) of the shards this relay still holds and the counters of its aggregates, and journals what it published';
+
 REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) FROM PUBLIC;
 
--- -------------------------------------------------------------------------------------------------
--- Nothing committed is lost, under any interleaving (issue 23).
--- -------------------------------------------------------------------------------------------------
+-- src/sql/relay/housekeeping.sql
+CREATE OR REPLACE FUNCTION outbox._reap_shards(lease_ms integer)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+DECLARE
+    reaped bigint;
+BEGIN
+    UPDATE outbox.shards s SET claimed_by = NULL, claimed_at = NULL
+     WHERE s.claimed_by IS NOT NULL
+       AND (s.claimed_at < clock_timestamp() - lease_ms * interval '1 millisecond'
+            OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(s.claimed_by)));
+    GET DIAGNOSTICS reaped = ROW_COUNT;
+    RETURN reaped;
+END
+$fn$;
 
--- Retention: a closed table's bound is the next transaction id to be assigned (a snapshot's xmax
--- is not above every running writer); a table is truncated once it has been consumed for keep,
--- or for what outbox.purge asked (docs/worker.md, "Retention and table size").
-CREATE  FUNCTION outbox."_next_xid"() RETURNS bigint /* i64 */
-STRICT VOLATILE PARALLEL UNSAFE 
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'next_xid_wrapper';
-REVOKE ALL ON FUNCTION outbox._next_xid() FROM PUBLIC;
-ALTER TABLE outbox.generations ADD COLUMN consumed_at timestamptz, ADD COLUMN keep_for interval;
--- A table 0.2.0 closed may have a bound below a writer that was still running: raise it to one
--- that is above every transaction that has an id now.
-UPDATE outbox.generations SET closed_below = greatest(closed_below, outbox._next_xid()::text::xid8) WHERE state = 'closed';
-DROP FUNCTION outbox._retention(interval, boolean);
--- Retention, one step per call, each a few statements (docs/worker.md, "Retention and table size",
--- has the rule and its proof):
---   close     a switched table once the switch is visible to every new snapshot: closed_below is
---             the next transaction id to be assigned, read after a snapshot that sees the switch
---             committed, so it is above the id of every writer that can still insert into it;
---   consumed  a closed table once every shard's cursor xmin has reached closed_below: each of its
---             writers has ended and its events were published or moved to outbox.held;
---   truncate  a consumed table once it has been consumed for keep (or, when outbox.purge asked
---             for less, for its keep_for): published events are kept at least that long;
---   switch    to the next table (which must be empty) when the current one is older than half of
---             keep, or on purge_older_than (outbox.purge) when it holds events and was opened
---             before now - purge_older_than;
--- and deletes done rows of the failure path, old ticks and old dedup marks. keep NULL: no
--- automatic switch or truncation (outbox.retention = 0), only what outbox.purge asked for. The
--- TRUNCATE waits at most 100 ms for its lock (readers hold the tables for a moment each round)
--- and is retried at the next call. Returns the number of events and rows removed.
-CREATE FUNCTION outbox._retention(keep interval, purge_older_than interval DEFAULT NULL)
+COMMENT ON FUNCTION outbox._reap_shards(integer) IS
+    'Relay internal: frees the shards of relays that exited or whose lease expired; returns how many';
+
+CREATE OR REPLACE FUNCTION outbox._record_snapshot(record boolean)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+BEGIN
+    DELETE FROM outbox.snapshots p
+     WHERE pg_snapshot_xmax(p.snap) <= (SELECT min(pg_snapshot_xmax(s.cursor)) FROM outbox.shards s);
+    IF NOT record
+       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > clock_timestamp() - interval '900 milliseconds') THEN
+        RETURN false;
+    END IF;
+    INSERT INTO outbox.snapshots (taken_at, snap) VALUES (clock_timestamp(), pg_current_snapshot());
+    RETURN true;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._record_snapshot(boolean) IS
+    'Relay internal: forgets the recorded snapshots every cursor has passed and, while anything is undelivered, records one a second';
+
+CREATE OR REPLACE FUNCTION outbox._retention(keep interval, purge_older_than interval DEFAULT NULL)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -488,133 +852,240 @@ $fn$;
 
 COMMENT ON FUNCTION outbox._retention(interval, interval) IS
     'Relay internal: one retention step: close, truncate and switch the event tables, delete done failure-path rows, old ticks and dedup marks';
+
+REVOKE ALL ON FUNCTION outbox._reap_shards(integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._record_snapshot(boolean) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._retention(interval, interval) FROM PUBLIC;
 
-CREATE OR REPLACE FUNCTION outbox.purge(older_than interval)
-RETURNS bigint
+-- src/sql/restore.sql
+CREATE OR REPLACE FUNCTION outbox._rebase()
+RETURNS boolean
 LANGUAGE plpgsql VOLATILE
--- outbox_admin may read rows but not write them: the change is made as the owner.
-SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
+DECLARE
+    me xid8 := pg_current_xact_id();
+    consumed_txid constant xid8 := '3';  -- FrozenTransactionId: below every cursor
+    fresh pg_snapshot;
+    undelivered bigint := 0;
+    n bigint;
 BEGIN
-    IF older_than IS NULL OR older_than < interval '0' THEN
-        RAISE EXCEPTION 'outbox.purge: older_than must be a non-negative interval, got %', coalesce(older_than::text, 'NULL')
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass e.g. ''7 days''; ''0'' purges every published event.';
+    IF (SELECT count(*) FROM outbox.restored_shards) < 16 OR (SELECT count(*) FROM outbox.restored_generations) < 3 THEN
+        RETURN false;
     END IF;
-    RETURN outbox._retention(NULL, older_than);
+    -- Nobody relays while the state is being translated (a restore outside one transaction).
+    LOCK TABLE outbox.shards, outbox.generations IN EXCLUSIVE MODE;
+
+    FOR generation IN 0..2 LOOP
+        EXECUTE format(
+            'UPDATE outbox.events_%s e
+                SET txid = CASE WHEN pg_visible_in_snapshot(e.txid, r.cursor) THEN $1 ELSE $2 END
+               FROM outbox.restored_shards r
+              WHERE r.shard = e.shard AND e.txid <> $1', generation)
+            USING consumed_txid, me;
+        EXECUTE format('SELECT count(*) FROM outbox.events_%s WHERE txid = $1', generation) INTO n USING me;
+        undelivered := undelivered + n;
+    END LOOP;
+
+    -- Every cursor starts just before the restoring transaction (outbox._initial_cursor keeps it in
+    -- progress), so that its events are the first batch.
+    fresh := outbox._initial_cursor();
+    -- A window the dumped relays were publishing in parts starts again whole: what they had
+    -- published of it is published again (at least once, as for anything published after the dump).
+    UPDATE outbox.shards s
+       SET cursor = fresh, cursor_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL,
+           window_upto = NULL, window_max_id = NULL, window_last_id = NULL;
+    -- published_at of the restored published events: the dumped cursor's time, an upper bound.
+    DELETE FROM outbox.ticks;
+    DELETE FROM outbox.snapshots;
+    INSERT INTO outbox.ticks (shard, cursor, at)
+    SELECT r.shard, fresh, r.cursor_at FROM outbox.restored_shards r;
+
+    -- One current table at every step (a unique index): clear first, then take the dumped states.
+    -- A table the dumped cluster was still closing had no writer left when it was dumped.
+    UPDATE outbox.generations
+       SET state = 'empty', opened_at = NULL, closed_at = NULL, switched_by = NULL, closed_below = NULL,
+           consumed_at = NULL, keep_for = NULL;
+    UPDATE outbox.generations g
+       SET state = CASE r.state WHEN 'closing' THEN 'closed' ELSE r.state END,
+           opened_at = r.opened_at,
+           closed_at = r.closed_at,
+           closed_below = CASE WHEN r.state IN ('closing', 'closed') THEN pg_snapshot_xmax(fresh) END
+      FROM outbox.restored_generations r
+     WHERE r.generation = g.generation;
+    IF NOT EXISTS (SELECT 1 FROM outbox.generations WHERE state = 'current') THEN
+        UPDATE outbox.generations SET state = 'current', opened_at = clock_timestamp()
+         WHERE generation = (SELECT min(generation) FROM outbox.generations WHERE state = 'empty');
+    END IF;
+
+    DELETE FROM outbox.restored_shards;
+    DELETE FROM outbox.restored_generations;
+    RAISE LOG 'outbox_pg: restored outbox rebased onto this cluster''s transaction ids; % undelivered events will be published', undelivered;
+    RETURN true;
 END
 $fn$;
 
--- Order locks: the cap counts the locks held; past it, a shared lock that forget_aggregates takes
--- exclusively (src/enqueue/order.rs).
-CREATE  FUNCTION outbox."_exclude_transactions_past_the_cap"() RETURNS bool /* bool */
-STRICT VOLATILE PARALLEL UNSAFE 
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'exclude_transactions_past_the_cap_wrapper';
-REVOKE ALL ON FUNCTION outbox._exclude_transactions_past_the_cap() FROM PUBLIC;
-CREATE OR REPLACE FUNCTION outbox.forget_aggregates()
-RETURNS bigint
-LANGUAGE plpgsql VOLATILE
--- Admins may read but not change the counters; forgetting them is done as owner.
+COMMENT ON FUNCTION outbox._rebase() IS
+    'Relay internal: translates a restored dump''s cursors and txids into this cluster''s (run by the restore''s triggers)';
+
+CREATE OR REPLACE FUNCTION outbox._catch_restored_row()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF TG_TABLE_NAME = 'shards' THEN
+        INSERT INTO outbox.restored_shards (shard, cursor, cursor_at) VALUES (NEW.shard, NEW.cursor, NEW.cursor_at)
+        ON CONFLICT (shard) DO UPDATE SET cursor = excluded.cursor, cursor_at = excluded.cursor_at;
+    ELSE
+        INSERT INTO outbox.restored_generations (generation, state, opened_at, closed_at)
+        VALUES (NEW.generation, NEW.state, NEW.opened_at, NEW.closed_at)
+        ON CONFLICT (generation) DO UPDATE
+            SET state = excluded.state, opened_at = excluded.opened_at, closed_at = excluded.closed_at;
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._catch_restored_row() IS
+    'Internal (restore): keeps a dumped row of outbox.shards or outbox.generations aside for outbox._rebase instead of inserting it';
+
+CREATE OR REPLACE FUNCTION outbox._rebase_after_restore()
+RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    PERFORM outbox._rebase();
+    RETURN NULL;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._rebase_after_restore() IS
+    'Internal (restore): runs outbox._rebase after a restore''s insert into outbox.shards or outbox.generations';
+
+CREATE OR REPLACE TRIGGER catch_restored_shard BEFORE INSERT ON outbox.shards
+    FOR EACH ROW EXECUTE FUNCTION outbox._catch_restored_row();
+
+CREATE OR REPLACE TRIGGER catch_restored_generation BEFORE INSERT ON outbox.generations
+    FOR EACH ROW EXECUTE FUNCTION outbox._catch_restored_row();
+
+CREATE OR REPLACE TRIGGER rebase_restored_shards AFTER INSERT ON outbox.shards
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_after_restore();
+
+CREATE OR REPLACE TRIGGER rebase_restored_generations AFTER INSERT ON outbox.generations
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._rebase_after_restore();
+
+COMMENT ON TRIGGER catch_restored_shard ON outbox.shards IS
+    'outbox_pg: catches a restore''s dumped cursor for outbox._rebase';
+
+COMMENT ON TRIGGER catch_restored_generation ON outbox.generations IS
+    'outbox_pg: catches a restore''s dumped generation state for outbox._rebase';
+
+COMMENT ON TRIGGER rebase_restored_shards ON outbox.shards IS
+    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
+
+COMMENT ON TRIGGER rebase_restored_generations ON outbox.generations IS
+    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
+
+REVOKE ALL ON FUNCTION outbox._rebase() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._catch_restored_row() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._rebase_after_restore() FROM PUBLIC;
+
+-- src/sql/dedup.sql
+CREATE OR REPLACE FUNCTION @extschema@.outbox_mark_processed(consumer text, event_id uuid)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    forgotten bigint;
+    first_time boolean;
+    caller     regrole;
+    owner_role regrole;
 BEGIN
-    IF NOT outbox._exclude_transactions_past_the_cap() THEN
-        RAISE NOTICE 'outbox.forget_aggregates: a transaction that enqueued for more than 256 aggregates is running; nothing was forgotten'
-            USING HINT = 'Its events beyond the 256th aggregate carry no order lock to check; call outbox.forget_aggregates() again once it has ended.';
-        RETURN 0;
+    IF outbox_mark_processed.consumer IS NULL OR outbox_mark_processed.consumer = '' THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer must be a non-empty name, got %',
+                coalesce(quote_literal(outbox_mark_processed.consumer), 'NULL')
+            USING ERRCODE = CASE WHEN outbox_mark_processed.consumer IS NULL THEN 'null_value_not_allowed'
+                                 ELSE 'invalid_parameter_value' END,
+                  HINT = 'Name the consuming service, e.g. ''notifications''; each consumer deduplicates on its own.';
     END IF;
-    DELETE FROM outbox.aggregates a
-     USING (SELECT g.aggregate_type, g.aggregate_id
-              FROM outbox.aggregates g
-             WHERE NOT EXISTS (SELECT 1 FROM outbox.events e
-                                WHERE e.aggregate_type = g.aggregate_type AND e.aggregate_id = g.aggregate_id)
-               AND NOT EXISTS (SELECT 1 FROM outbox.held h
-                                WHERE h.aggregate_type = g.aggregate_type AND h.aggregate_id = g.aggregate_id)
-               AND NOT outbox._enqueue_in_progress(g.aggregate_type, g.aggregate_id)
-               FOR UPDATE OF g SKIP LOCKED) idle
-     WHERE a.aggregate_type = idle.aggregate_type AND a.aggregate_id = idle.aggregate_id;
-    GET DIAGNOSTICS forgotten = ROW_COUNT;
-    RETURN forgotten;
+    IF octet_length(outbox_mark_processed.consumer) > 255 THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer name is % bytes long (starts with %), the limit is 255 bytes',
+                octet_length(outbox_mark_processed.consumer), quote_literal(left(outbox_mark_processed.consumer, 40))
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Name the consuming service with at most 255 bytes, like aggregate and event types, e.g. ''notifications''.';
+    END IF;
+    IF outbox_mark_processed.event_id IS NULL THEN
+        RAISE EXCEPTION 'outbox_mark_processed: event_id must not be NULL'
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'Pass the entry''s event_id field, e.g. outbox_mark_processed(''notifications'', ''…''::uuid).';
+    END IF;
+    -- A consumer name belongs to the role that used it first: another consumer marking events
+    -- under it would make this one skip them. current_user is the owner here (SECURITY DEFINER),
+    -- so the caller's role comes from _calling_role (the role in effect outside this function).
+    caller := outbox._calling_role();
+    SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
+    IF NOT FOUND THEN
+        INSERT INTO outbox.consumers AS c (consumer, owner)
+        VALUES (outbox_mark_processed.consumer, caller)
+        ON CONFLICT ON CONSTRAINT consumers_pkey DO NOTHING;
+        SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
+    END IF;
+    IF NOT pg_catalog.pg_has_role(caller::oid, owner_role::oid, 'MEMBER') THEN
+        RAISE EXCEPTION 'outbox_mark_processed: consumer name % belongs to role %, not to %',
+                quote_literal(outbox_mark_processed.consumer), owner_role, caller
+            USING ERRCODE = 'insufficient_privilege',
+                  HINT = 'Use a consumer name of your own, or have an outbox_admin release this one (DELETE FROM outbox.consumers WHERE consumer = ...) or grant you its owner role.';
+    END IF;
+    INSERT INTO outbox.processed_messages AS p (consumer, event_id)
+    VALUES (outbox_mark_processed.consumer, outbox_mark_processed.event_id)
+    ON CONFLICT ON CONSTRAINT processed_messages_pkey DO NOTHING
+    RETURNING true INTO first_time;
+    RETURN coalesce(first_time, false);
 END
 $fn$;
 
--- Bounded rounds: a window too large for one round is published in parts, transaction by
--- transaction in the order of their largest ids, read on from an id (src/log/window.rs).
-ALTER TABLE outbox.shards ADD COLUMN window_upto pg_snapshot, ADD COLUMN window_max_id bigint,
-                          ADD COLUMN window_last_id bigint,
-                          ADD CONSTRAINT shards_window_whole CHECK ((window_upto IS NULL) = (window_max_id IS NULL)
-                                          AND (window_upto IS NULL) = (window_last_id IS NULL));
-DROP INDEX outbox.events_0_batch_idx;
-CREATE INDEX events_0_batch_idx ON outbox.events_0 (shard, txid, id);
-DROP INDEX outbox.events_1_batch_idx;
-CREATE INDEX events_1_batch_idx ON outbox.events_1 (shard, txid, id);
-DROP INDEX outbox.events_2_batch_idx;
-CREATE INDEX events_2_batch_idx ON outbox.events_2 (shard, txid, id);
-CREATE OR REPLACE VIEW outbox.messages AS
-SELECT e.id,
-       e.event_id,
-       e.aggregate_type,
-       e.aggregate_id,
-       h.aggregate_seq,
-       e.event_type,
-       e.payload,
-       e.headers,
-       e.stream,
-       CASE WHEN h.status IS NOT NULL THEN CASE h.status WHEN 'waiting' THEN 'pending' ELSE h.status END
-            WHEN pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor) OR w.consumed THEN 'published'
-            ELSE 'pending' END                                                  AS status,
-       e.created_at,
-       CASE WHEN h.status IS NOT NULL THEN h.published_at
-            WHEN pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor) THEN
-                coalesce((SELECT min(t.at) FROM outbox.ticks t
-                           WHERE t.shard = e.shard AND t.at >= e.created_at
-                             AND pg_catalog.pg_visible_in_snapshot(e.txid, t.cursor)), s.cursor_at)
-            WHEN w.consumed THEN s.cursor_at
-       END                                                                      AS published_at,
-       h.available_at,
-       coalesce(h.attempts, 0)                                                  AS attempts,
-       coalesce(h.rejections, 0)                                                AS rejections,
-       h.failed_at,
-       h.last_error,
-       e.txid,
-       e.shard
-  FROM outbox.events e
-  JOIN outbox.shards s ON s.shard = e.shard
-  -- Of a window published in parts (src/log/window.rs), what the position has passed: the events of
-  -- the transactions whose largest id in the shard is below it, and of the one at it up to it.
-  CROSS JOIN LATERAL (
-      SELECT s.window_upto IS NOT NULL
-             AND pg_catalog.pg_visible_in_snapshot(e.txid, s.window_upto)
-             AND NOT pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor)
-             AND ((SELECT max(m.id) FROM outbox.events m WHERE m.shard = e.shard AND m.txid = e.txid), e.id)
-                 <= (s.window_max_id, s.window_last_id) AS consumed) w
-  LEFT JOIN outbox.held h ON h.id = e.id
-UNION ALL
--- Failure-path events whose log table retention has already truncated.
-SELECT h.id, h.event_id, h.aggregate_type, h.aggregate_id, h.aggregate_seq, h.event_type, h.payload, h.headers,
-       h.stream, CASE h.status WHEN 'waiting' THEN 'pending' ELSE h.status END, h.created_at, h.published_at,
-       h.available_at, h.attempts, h.rejections, h.failed_at, h.last_error, NULL::xid8, h.shard
-  FROM outbox.held h
- WHERE NOT EXISTS (SELECT 1 FROM outbox.events e WHERE e.event_id = h.event_id);
+COMMENT ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) IS
+    'Consumer-side dedup: records that consumer processed event_id; true the first time, false on a repeat';
 
--- Copies: CREATE DATABASE ... TEMPLATE of a relayed database is not relayed until adopted.
-CREATE TABLE outbox.installation (
-    database_oid oid         NOT NULL,
-    installed_at timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-CREATE UNIQUE INDEX installation_one_row ON outbox.installation ((true));
-INSERT INTO outbox.installation (database_oid)
-SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database();
-COMMENT ON TABLE outbox.installation IS
-    'outbox_pg: the database this outbox belongs to; a copy made by CREATE DATABASE ... TEMPLATE is not relayed until outbox.adopt_copy()';
-GRANT SELECT ON outbox.installation TO outbox_admin;
-CREATE FUNCTION outbox._database_created_by()
+CREATE OR REPLACE FUNCTION outbox.purge_processed(older_than interval)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    purged bigint;
+BEGIN
+    IF older_than IS NULL OR older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox.purge_processed: older_than must be a non-negative interval, got %', coalesce(older_than::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass a window longer than redeliveries can take, e.g. ''7 days''.';
+    END IF;
+    DELETE FROM outbox.processed_messages p WHERE p.processed_at <= now() - older_than;
+    GET DIAGNOSTICS purged = ROW_COUNT;
+    RETURN purged;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.purge_processed(interval) IS
+    'Deletes consumer dedup marks older than older_than; returns how many';
+
+REVOKE ALL ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) FROM PUBLIC;
+
+GRANT EXECUTE ON FUNCTION @extschema@.outbox_mark_processed(text, uuid) TO outbox_consumer;
+
+REVOKE ALL ON FUNCTION outbox.purge_processed(interval) FROM PUBLIC;
+
+GRANT EXECUTE ON FUNCTION outbox.purge_processed(interval) TO outbox_admin;
+
+-- src/sql/copies.sql
+CREATE OR REPLACE FUNCTION outbox._database_created_by()
 RETURNS xid8
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -623,9 +1094,11 @@ AS $fn$
                 THEN (pg_current_xact_id()::text::bigint - age(d.xmin))::text::xid8 END
       FROM pg_database d WHERE d.datname = current_database()
 $fn$;
-REVOKE ALL ON FUNCTION outbox._database_created_by() FROM PUBLIC;
 
-CREATE FUNCTION outbox.adopt_copy(publish_copied_events boolean DEFAULT false)
+COMMENT ON FUNCTION outbox._database_created_by() IS
+    'Internal: the transaction that created this database (events copied from a template are older, its own younger); NULL when frozen';
+
+CREATE OR REPLACE FUNCTION outbox.adopt_copy(publish_copied_events boolean DEFAULT false)
 RETURNS text
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
@@ -676,261 +1149,201 @@ $fn$;
 
 COMMENT ON FUNCTION outbox.adopt_copy(boolean) IS
     'Makes a copied outbox (CREATE DATABASE ... TEMPLATE) this database''s own, so that its relays publish; copied undelivered events are left to the original unless publish_copied_events';
+
+REVOKE ALL ON FUNCTION outbox._database_created_by() FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox.adopt_copy(boolean) FROM PUBLIC;
+
 GRANT EXECUTE ON FUNCTION outbox.adopt_copy(boolean) TO outbox_admin;
 
--- Health from index walks whatever the statistics (src/log/pending.rs): outbox._undelivered() is
--- replaced by outbox._health(), which outbox.stats and oldest_pending_age() read.
-CREATE FUNCTION outbox._log_pending(count_events boolean)
-RETURNS TABLE (events bigint, oldest timestamptz)
-LANGUAGE c STRICT VOLATILE
-AS 'MODULE_PATHNAME', 'log_pending_sql_wrapper';
+-- src/sql/operations.sql
+CREATE OR REPLACE VIEW outbox.messages AS
+SELECT e.id,
+       e.event_id,
+       e.aggregate_type,
+       e.aggregate_id,
+       h.aggregate_seq,
+       e.event_type,
+       e.payload,
+       e.headers,
+       e.stream,
+       CASE WHEN h.status IS NOT NULL THEN CASE h.status WHEN 'waiting' THEN 'pending' ELSE h.status END
+            WHEN pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor) OR w.consumed THEN 'published'
+            ELSE 'pending' END                                                  AS status,
+       e.created_at,
+       CASE WHEN h.status IS NOT NULL THEN h.published_at
+            WHEN pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor) THEN
+                coalesce((SELECT min(t.at) FROM outbox.ticks t
+                           WHERE t.shard = e.shard AND t.at >= e.created_at
+                             AND pg_catalog.pg_visible_in_snapshot(e.txid, t.cursor)), s.cursor_at)
+            WHEN w.consumed THEN s.cursor_at
+       END                                                                      AS published_at,
+       h.available_at,
+       coalesce(h.attempts, 0)                                                  AS attempts,
+       coalesce(h.rejections, 0)                                                AS rejections,
+       h.failed_at,
+       h.last_error,
+       e.txid,
+       e.shard
+  FROM outbox.events e
+  JOIN outbox.shards s ON s.shard = e.shard
+  -- Of a window published in parts (src/log/window.rs), what the position has passed: the events
+  -- of the transactions whose largest id in the shard is below it, and of the one at it up to it.
+  CROSS JOIN LATERAL (
+      SELECT s.window_upto IS NOT NULL
+             AND pg_catalog.pg_visible_in_snapshot(e.txid, s.window_upto)
+             AND NOT pg_catalog.pg_visible_in_snapshot(e.txid, s.cursor)
+             AND ((SELECT max(m.id) FROM outbox.events m WHERE m.shard = e.shard AND m.txid = e.txid), e.id)
+                 <= (s.window_max_id, s.window_last_id) AS consumed) w
+  LEFT JOIN outbox.held h ON h.id = e.id
+UNION ALL
+-- Failure-path events whose log table retention has already truncated.
+SELECT h.id, h.event_id, h.aggregate_type, h.aggregate_id, h.aggregate_seq, h.event_type, h.payload, h.headers,
+       h.stream, CASE h.status WHEN 'waiting' THEN 'pending' ELSE h.status END, h.created_at, h.published_at,
+       h.available_at, h.attempts, h.rejections, h.failed_at, h.last_error, NULL::xid8, h.shard
+  FROM outbox.held h
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.events e WHERE e.event_id = h.event_id);
 
-CREATE FUNCTION outbox._health(count_events boolean DEFAULT true)
-RETURNS TABLE (undelivered bigint, failed bigint, oldest timestamptz, last_published_at timestamptz)
-LANGUAGE sql STABLE
+COMMENT ON VIEW outbox.messages IS
+    'outbox_pg: every event and its status (pending, published, failed, skipped), from the log, the shards'' cursors and the failure path';
+
+CREATE OR REPLACE FUNCTION outbox.retry_failed(ids bigint[] DEFAULT NULL)
+RETURNS bigint
+LANGUAGE sql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
-SET jit = off
-SET enable_seqscan = off
 AS $fn$
-    SELECT l.events + CASE WHEN count_events
-                          THEN (SELECT count(*) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'waiting')
-                          ELSE 0 END,
-           CASE WHEN count_events
-                THEN (SELECT count(*) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'failed')
-                ELSE 0 END,
-           least(l.oldest, (SELECT min(h.created_at) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'waiting')),
-           greatest((SELECT max(t.last) FROM outbox.shards s
-                      CROSS JOIN LATERAL (SELECT max(k.at) AS last FROM outbox.ticks k WHERE k.shard = s.shard) t),
-                    (SELECT max(h.published_at) FROM outbox.held h WHERE h.status IN ('published', 'skipped') AND h.status = 'published'))
-      FROM outbox._log_pending(count_events) l
+    WITH retried AS (
+        UPDATE outbox.held h
+           SET status = 'waiting', attempts = 0, rejections = 0, available_at = NULL, failed_at = NULL
+         WHERE h.status = 'failed' AND (ids IS NULL OR h.id = ANY (ids))
+        RETURNING 1
+    )
+    SELECT count(*) FROM retried
 $fn$;
 
-COMMENT ON FUNCTION outbox._health(boolean) IS
-    'outbox.stats'' figures: undelivered (log and failure path), failed, oldest undelivered and last published, from indexes only';
-CREATE OR REPLACE FUNCTION outbox.oldest_pending_age()
-RETURNS interval
-LANGUAGE sql STABLE
+COMMENT ON FUNCTION outbox.retry_failed(bigint[]) IS
+    'Returns failed events (all, or those ids) to pending with attempts reset; returns how many';
+
+CREATE OR REPLACE FUNCTION outbox.skip_failed(ids bigint[])
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT clock_timestamp() - h.oldest FROM outbox._health(false) h
-$fn$;
-
--- Replay (src/sql/replay.sql): the journal of what each round published, replays, stream marks
--- and the losses the relays notice. Its Rust helpers first.
-CREATE  FUNCTION outbox."_wake_for_replay"() RETURNS void
-STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'wake_for_replay_wrapper';
-CREATE  FUNCTION outbox."_check_allowed_stream"(
-	"stream" TEXT /* & str */
-) RETURNS void
-STRICT VOLATILE PARALLEL UNSAFE
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'check_allowed_stream_for_replay_wrapper';
-COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
-    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s into)';
-COMMENT ON FUNCTION outbox._wake_for_replay() IS
-    'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';
-REVOKE ALL ON FUNCTION outbox._check_allowed_stream(text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._wake_for_replay() FROM PUBLIC;
-
--- Replay: sending events Redis lost (or that a new consumer needs) again, from the outbox, which
--- keeps every published event for outbox.retention. docs/worker.md, "Replay" and "When Redis loses
--- entries"; the relay side is src/relay/replay.rs.
---
--- What each round published is journaled by its finish (outbox._advance): the event ids in the
--- order they went out and the aggregate_seq each was given. A replay walks that journal, so it
--- sends exactly the events that were published, in the order they were (commit order per
--- aggregate), with the aggregate_seq they had; it never sends an event that was not published,
--- and it marks nothing.
-
--- -------------------------------------------------------------------------------------------------
--- The journal: one row per finished round that published something, in the table of the log's
--- generation that was current then, truncated with it (outbox._retention). Insert-only.
--- -------------------------------------------------------------------------------------------------
-CREATE SEQUENCE outbox.journal_round_seq AS bigint;
-COMMENT ON SEQUENCE outbox.journal_round_seq IS
-    'outbox_pg: numbers the journal''s rounds in the order they were finished';
-SELECT pg_catalog.pg_extension_config_dump('outbox.journal_round_seq', '');
-
-DO $tables$
+DECLARE
+    skipped bigint;
 BEGIN
-    FOR generation IN 0..2 LOOP
-        EXECUTE format($ddl$
-            CREATE TABLE outbox.journal_%1$s (
-                round       bigint      PRIMARY KEY,
-                finished_at timestamptz NOT NULL,
-                -- How many events the round published (the arrays' length).
-                events      integer     NOT NULL,
-                -- In the order Redis received them, and the aggregate_seq each was sent with.
-                event_ids   uuid[]      NOT NULL,
-                seqs        bigint[]    NOT NULL
-            ) WITH (autovacuum_vacuum_insert_threshold = -1)$ddl$, generation);
-        -- Stored out of line as they are: a round's ids (16 bytes of randomness each) do not
-        -- compress, and trying (pglz) took 13% of the relay's CPU in a drain.
-        EXECUTE format('ALTER TABLE outbox.journal_%1$s ALTER COLUMN event_ids SET STORAGE EXTERNAL,
-                                                      ALTER COLUMN seqs SET STORAGE EXTERNAL', generation);
-        EXECUTE format('CREATE INDEX journal_%1$s_finished_idx ON outbox.journal_%1$s (finished_at)', generation);
-        EXECUTE format($c$COMMENT ON TABLE outbox.journal_%1$s IS
-            'outbox_pg: what each round published while log table %1$s was current (read it through outbox.journal)'$c$,
-            generation);
-        EXECUTE format('SELECT pg_catalog.pg_extension_config_dump(''outbox.journal_%1$s'', '''')', generation);
-    END LOOP;
+    IF ids IS NULL OR cardinality(ids) = 0 THEN
+        RAISE EXCEPTION 'outbox.skip_failed: ids must name the failed events to skip, got %', coalesce(ids::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Skipping drops events for good; list them, e.g. outbox.skip_failed(ARRAY(SELECT id FROM outbox.messages WHERE status = ''failed'' AND ...)).';
+    END IF;
+    UPDATE outbox.held h
+       SET status = 'skipped', published_at = clock_timestamp()
+     WHERE h.status = 'failed' AND h.id = ANY (ids);
+    GET DIAGNOSTICS skipped = ROW_COUNT;
+    RETURN skipped;
 END
-$tables$;
+$fn$;
 
-CREATE VIEW outbox.journal AS
+COMMENT ON FUNCTION outbox.skip_failed(bigint[]) IS
+    'Marks these failed events skipped (never delivered), releasing the later events of their aggregates; returns how many';
+
+CREATE OR REPLACE FUNCTION outbox.forget_aggregates()
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    forgotten bigint;
+BEGIN
+    IF NOT outbox._exclude_transactions_past_the_cap() THEN
+        RAISE NOTICE 'outbox.forget_aggregates: a transaction that enqueued for more than 256 aggregates is running; nothing was forgotten'
+            USING HINT = 'Its events beyond the 256th aggregate carry no order lock to check; call outbox.forget_aggregates() again once it has ended.';
+        RETURN 0;
+    END IF;
+    DELETE FROM outbox.aggregates a
+     USING (SELECT g.aggregate_type, g.aggregate_id
+              FROM outbox.aggregates g
+             WHERE NOT EXISTS (SELECT 1 FROM outbox.events e
+                                WHERE e.aggregate_type = g.aggregate_type AND e.aggregate_id = g.aggregate_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.held h
+                                WHERE h.aggregate_type = g.aggregate_type AND h.aggregate_id = g.aggregate_id)
+               AND NOT outbox._enqueue_in_progress(g.aggregate_type, g.aggregate_id)
+               FOR UPDATE OF g SKIP LOCKED) idle
+     WHERE a.aggregate_type = idle.aggregate_type AND a.aggregate_id = idle.aggregate_id;
+    GET DIAGNOSTICS forgotten = ROW_COUNT;
+    RETURN forgotten;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.forget_aggregates() IS
+    'Deletes the aggregate_seq counters of aggregates with no event left in the outbox (their numbering restarts at 1); returns how many';
+
+CREATE OR REPLACE FUNCTION outbox.purge(older_than interval)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF older_than IS NULL OR older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox.purge: older_than must be a non-negative interval, got %', coalesce(older_than::text, 'NULL')
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass e.g. ''7 days''; ''0'' purges every published event.';
+    END IF;
+    RETURN outbox._retention(NULL, older_than);
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox.purge(interval) IS
+    'Deletes published and skipped events older than older_than (whole log tables once consumed); returns how many';
+
+REVOKE ALL ON FUNCTION outbox.retry_failed(bigint[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox.skip_failed(bigint[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox.purge(interval) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox.forget_aggregates() FROM PUBLIC;
+
+GRANT EXECUTE ON FUNCTION outbox.retry_failed(bigint[]) TO outbox_admin;
+
+GRANT EXECUTE ON FUNCTION outbox.skip_failed(bigint[]) TO outbox_admin;
+
+GRANT EXECUTE ON FUNCTION outbox.purge(interval) TO outbox_admin;
+
+GRANT EXECUTE ON FUNCTION outbox.forget_aggregates() TO outbox_admin;
+
+GRANT SELECT ON outbox.messages TO outbox_admin;
+
+-- src/sql/journal.sql
+CREATE OR REPLACE VIEW outbox.journal AS
 SELECT 0::smallint AS generation, j.* FROM outbox.journal_0 j
 UNION ALL
 SELECT 1::smallint, j.* FROM outbox.journal_1 j
 UNION ALL
 SELECT 2::smallint, j.* FROM outbox.journal_2 j;
+
 COMMENT ON VIEW outbox.journal IS
     'outbox_pg: every round that published events: when, which event_ids in which order, with which aggregate_seq';
 
--- -------------------------------------------------------------------------------------------------
--- Replays asked for, and their progress.
--- -------------------------------------------------------------------------------------------------
--- A sequence of its own, not an identity column: pg_dump keeps an extension's sequence values only
--- for sequences registered like its tables.
-CREATE SEQUENCE outbox.replay_id_seq AS bigint;
-COMMENT ON SEQUENCE outbox.replay_id_seq IS 'outbox_pg: replay ids (outbox.replays)';
-SELECT pg_catalog.pg_extension_config_dump('outbox.replay_id_seq', '');
+GRANT SELECT ON outbox.journal TO outbox_admin;
 
-CREATE TABLE outbox.replay_requests (
-    id              bigint      PRIMARY KEY DEFAULT nextval('outbox.replay_id_seq'),
-    requested_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
-    requested_by    name        NOT NULL DEFAULT session_user,
-    -- The selection: events enqueued in [since, until), published at or after published_since,
-    -- and matching every filter given.
-    since           timestamptz NOT NULL,
-    until           timestamptz,
-    published_since timestamptz,
-    streams         text[],
-    -- streams are exact keys, not patterns (outbox.repair_losses: the stream Redis lost, whatever
-    -- its characters).
-    exact_streams   boolean     NOT NULL DEFAULT false,
-    aggregate_types text[],
-    event_ids       uuid[],
-    -- Sent to this stream instead of each event's own.
-    into_stream     text,
-    -- At most this many events a second (NULL: as fast as the relays go between live rounds).
-    max_rate        integer CHECK (max_rate > 0),
-    -- The journal rounds it walks: from first_round to last_round (the last finished when it was
-    -- asked for; later rounds are live traffic), and how many events they hold.
-    first_round     bigint      NOT NULL,
-    last_round      bigint      NOT NULL,
-    journaled       bigint      NOT NULL,
-    state           text        NOT NULL DEFAULT 'running' CHECK (state IN ('running', 'done', 'cancelled')),
-    -- Where it stands: the next journal round, and the position in that round's arrays.
-    next_round      bigint      NOT NULL,
-    next_index      integer     NOT NULL DEFAULT 0,
-    -- Journal entries walked so far; events sent, left out by the filters, no longer in the log
-    -- (retention removed them meanwhile, with or without the journal rounds naming them: what the
-    -- walk did not reach of `journaled` when it ends is missing too), refused by Redis.
-    walked          bigint      NOT NULL DEFAULT 0,
-    replayed        bigint      NOT NULL DEFAULT 0,
-    filtered        bigint      NOT NULL DEFAULT 0,
-    missing         bigint      NOT NULL DEFAULT 0,
-    errors          bigint      NOT NULL DEFAULT 0,
-    last_error      text,
-    -- The relay replaying it (a claim with a lease, like a shard's), and when the throttle lets
-    -- it go on.
-    claimed_by      integer,
-    claimed_at      timestamptz,
-    not_before      timestamptz,
-    finished_at     timestamptz
-);
-CREATE INDEX replay_requests_running_idx ON outbox.replay_requests (id) WHERE state = 'running';
-COMMENT ON TABLE outbox.replay_requests IS
-    'outbox_pg: replays asked for with outbox.replay(), with their progress (read them through outbox.replays)';
-SELECT pg_catalog.pg_extension_config_dump('outbox.replay_requests', '');
-
-CREATE VIEW outbox.replays AS
+-- src/sql/replay.sql
+CREATE OR REPLACE VIEW outbox.replays AS
 SELECT r.id, r.state, r.requested_at, r.requested_by, r.since, r.until, r.published_since, r.streams,
        r.aggregate_types, r.event_ids, r.into_stream, r.max_rate,
        r.replayed, greatest(r.journaled - r.walked, 0) AS remaining, r.filtered, r.missing, r.errors,
        r.last_error, r.finished_at
   FROM outbox.replay_requests r;
+
 COMMENT ON VIEW outbox.replays IS
     'outbox_pg: each replay: its selection, state (running, done, cancelled), events replayed, journal entries still to walk (remaining), left out by the filters, no longer retained (missing), refused by Redis (errors)';
 
--- -------------------------------------------------------------------------------------------------
--- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.
--- -------------------------------------------------------------------------------------------------
-CREATE TABLE outbox.stream_marks (
-    -- Which Redis (its nodes as the relay names them in its logs, never credentials, and
-    -- " db N" for a database other than 0): the marks of one say nothing of another's.
-    target     text        COLLATE "C" NOT NULL,
-    stream     text        COLLATE "C" NOT NULL,
-    -- The last entry ID Redis returned for this stream (<ms>-<seq>), and when it was written.
-    last_ms    bigint      NOT NULL,
-    last_seq   bigint      NOT NULL,
-    written_at timestamptz NOT NULL,
-    PRIMARY KEY (target, stream)
-);
-COMMENT ON TABLE outbox.stream_marks IS
-    'outbox_pg: per stream, the last entry ID Redis returned to a relay: what the relays check Redis still has';
-
-CREATE SEQUENCE outbox.redis_loss_id_seq AS bigint;
-COMMENT ON SEQUENCE outbox.redis_loss_id_seq IS 'outbox_pg: loss ids (outbox.redis_losses)';
-SELECT pg_catalog.pg_extension_config_dump('outbox.redis_loss_id_seq', '');
-
-CREATE TABLE outbox.redis_losses (
-    id          bigint      PRIMARY KEY DEFAULT nextval('outbox.redis_loss_id_seq'),
-    stream      text        COLLATE "C" NOT NULL,
-    detected_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-    -- What a relay had written last (entry ID, when), and what Redis had then (NULL: no stream).
-    expected_id text        NOT NULL,
-    expected_at timestamptz NOT NULL,
-    found_id    text,
-    -- The replay that repairs it (outbox.repair_losses, or outbox.replay_on_loss): the last one
-    -- asked for. Repaired once it is done with events replayed and none refused.
-    replay_id   bigint,
-    UNIQUE (stream, expected_id)
-);
-COMMENT ON TABLE outbox.redis_losses IS
-    'outbox_pg: streams Redis lost entries of after acknowledging them, as the relays found, and the replay that repairs each';
-SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
-
--- -------------------------------------------------------------------------------------------------
--- outbox.replay(since, until, streams, aggregate_types, event_ids, into, published_since,
---               partial, max_rate)
---
---     Asks the relays to publish again the published events enqueued in [since, until) that match
---     every filter given, in the order they were published (commit order per aggregate), each with
---     its event_id, aggregate_seq and created_at and a `replay` field naming the replay. Live
---     traffic goes on; the replay runs between live rounds, in bounded rounds.
---
--- Parameters:
---     since            enqueued at or after (required)
---     until            enqueued before (NULL: no bound)
---     streams          only events whose stream key is one of these (keys, or glob patterns as in
---                      outbox.allowed_streams); the key is the event's own stream or the
---                      outbox.stream template's now
---     aggregate_types  only these aggregate types
---     event_ids        only these events
---     into             send them to this stream instead (outbox.allowed_streams applies)
---     published_since  only events published at or after this time (what a Redis loss took)
---     partial          replay what is left when retention removed part of the range, or when it
---                      starts before this installation began recording
---     max_rate         at most this many events a second
--- Returns:
---     the replay's id (outbox.replays)
--- Raises:
---     22004 for a NULL since or partial; 22023 for an empty range, empty or overlong into, an
---     empty list of streams, aggregate types or event ids (or one with a NULL or empty element), a
---     max_rate below 1, a range starting before this installation began recording, and a range
---     retention removed in part (unless partial); 42501 for an into outbox.allowed_streams does not
---     allow
--- Reads:   outbox.generations, outbox.journal
--- Writes:  insert outbox.replay_requests
--- Called by: outbox_admin
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox.replay(since timestamptz, until timestamptz DEFAULT NULL, streams text[] DEFAULT NULL,
+CREATE OR REPLACE FUNCTION outbox.replay(since timestamptz, until timestamptz DEFAULT NULL, streams text[] DEFAULT NULL,
                               aggregate_types text[] DEFAULT NULL, event_ids uuid[] DEFAULT NULL,
                               "into" text DEFAULT NULL, published_since timestamptz DEFAULT NULL,
                               partial boolean DEFAULT false, max_rate integer DEFAULT NULL)
@@ -943,19 +1356,11 @@ AS $fn$
     SELECT outbox._request_replay(since, until, streams, aggregate_types, event_ids, "into", published_since,
                                   partial, max_rate, false);
 $fn$;
+
 COMMENT ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) IS
     'outbox_pg: publishes again the published events enqueued in [since, until) that match the filters, in order, with their event_id and aggregate_seq; returns the replay''s id (outbox.replays)';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._request_replay(since, until, streams, aggregate_types, event_ids, into, published_since,
---                        partial, max_rate, exact_streams)
---
---     outbox.replay, and with exact_streams the streams are keys compared as they are (no glob, no
---     comma, no trimming): outbox.repair_losses replays exactly the stream Redis lost.
--- Returns, raises: as outbox.replay
--- Called by: outbox.replay; outbox.repair_losses
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._request_replay(since timestamptz, until timestamptz, streams text[], aggregate_types text[],
+CREATE OR REPLACE FUNCTION outbox._request_replay(since timestamptz, until timestamptz, streams text[], aggregate_types text[],
                                        event_ids uuid[], "into" text, published_since timestamptz, partial boolean,
                                        max_rate integer, exact_streams boolean)
 RETURNS bigint
@@ -1048,20 +1453,11 @@ BEGIN
     RETURN created;
 END
 $fn$;
+
 COMMENT ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) IS
     'outbox_pg: records a replay (outbox.replay; with exact stream keys for outbox.repair_losses); internal';
 
--- -------------------------------------------------------------------------------------------------
--- outbox.cancel_replay(replay)
---
---     Stops a running replay after the round in flight; what it sent stays sent.
--- Returns: whether a running replay of that id was cancelled (false: it is done, cancelled
---          already, or no replay has that id)
--- Raises:  22004 for a NULL id; 22023 for an id below 1
--- Writes:  update outbox.replay_requests
--- Called by: outbox_admin
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox.cancel_replay(replay bigint)
+CREATE OR REPLACE FUNCTION outbox.cancel_replay(replay bigint)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
@@ -1083,20 +1479,11 @@ BEGIN
     RETURN FOUND;
 END
 $fn$;
+
 COMMENT ON FUNCTION outbox.cancel_replay(bigint) IS
     'outbox_pg: stops a running replay after its round in flight; true if it was running';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._claim_replay(relay_pid, lease_ms)
---
---     Claims the oldest running replay that no live relay holds (FOR UPDATE SKIP LOCKED, with a
---     lease, like the shards: a relay that exited loses it at once, one that hangs after lease_ms)
---     and whose throttle lets it go on, or renews this relay's claim of it.
--- Returns: the replay's row, or nothing
--- Writes:  update outbox.replay_requests (claimed_by, claimed_at)
--- Called by: a relay's replay round (src/relay/replay.rs)
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._claim_replay(relay_pid integer, lease_ms integer)
+CREATE OR REPLACE FUNCTION outbox._claim_replay(relay_pid integer, lease_ms integer)
 RETURNS SETOF outbox.replay_requests
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -1113,20 +1500,11 @@ AS $fn$
                     FOR UPDATE SKIP LOCKED)
     RETURNING r.*;
 $fn$;
+
 COMMENT ON FUNCTION outbox._claim_replay(integer, integer) IS
     'outbox_pg: claims (or renews) a running replay for a relay, with a lease; relays only';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._replay_walk(first_round, first_index, last_round, max_rounds, max_entries)
---
---     The journal's rounds from first_round (from its entry first_index) up to last_round, in
---     order, at most max_rounds, each cut to at most max_entries entries: a replay round reads
---     about what it examines, not whole rounds of up to 10,000 entries.
--- Returns: per round, the index of its first entry returned, those entries, and how many it holds
--- Reads:   outbox.journal_0..2 (primary keys)
--- Called by: a relay's replay round
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._replay_walk(first_round bigint, first_index integer, last_round bigint, max_rounds integer,
+CREATE OR REPLACE FUNCTION outbox._replay_walk(first_round bigint, first_index integer, last_round bigint, max_rounds integer,
                                     max_entries integer)
 RETURNS TABLE (round bigint, skip integer, event_ids uuid[], seqs bigint[], events integer)
 LANGUAGE sql STABLE
@@ -1143,36 +1521,19 @@ AS $fn$
              LIMIT max_rounds) r
      ORDER BY r.round;
 $fn$;
+
 COMMENT ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) IS
     'outbox_pg: a stretch of the journal, in the order its rounds were finished; relays only';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._raw_size(value)
---
---     How many bytes a jsonb value holds uncompressed, read from its varlena or TOAST header: no
---     detoasting, so it costs the same for a 1 GB payload as for a small one (pg_column_size gives
---     the compressed size, 2 KB for 200 KB of repeated text). PostgreSQL's own byteaoctetlen, which
---     reads any varlena's header that way.
--- Called by: outbox._replay_select
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._raw_size(jsonb)
+CREATE OR REPLACE FUNCTION outbox._raw_size(jsonb)
 RETURNS integer
 LANGUAGE internal IMMUTABLE STRICT PARALLEL SAFE
 AS 'byteaoctetlen';
+
 COMMENT ON FUNCTION outbox._raw_size(jsonb) IS
     'outbox_pg: the uncompressed size of a jsonb value, without detoasting it; internal';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._replay_select(event_ids, since, until, aggregate_types, wanted)
---
---     What a replay round chooses by, without the payloads: the events of event_ids still in the
---     log (or in outbox.held), each with what its stream key is made of, about how many bytes it
---     takes on the wire (its payload and headers uncompressed, from their headers: no TOAST read), and
---     whether it matches the replay's selection. One index probe per event and table.
--- Reads:   outbox.events_0..2 (event_id indexes), outbox.held
--- Called by: a relay's replay round, before outbox._replay_events fetches the events it sends
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._replay_select(event_ids uuid[], since timestamptz, until timestamptz,
+CREATE OR REPLACE FUNCTION outbox._replay_select(event_ids uuid[], since timestamptz, until timestamptz,
                                       aggregate_types text[], wanted uuid[])
 RETURNS TABLE (event_id uuid, aggregate_type text, event_type text, stream text, size bigint, matches boolean)
 LANGUAGE sql STABLE
@@ -1202,20 +1563,11 @@ AS $fn$
           LIMIT 1
       ) e;
 $fn$;
+
 COMMENT ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
     'outbox_pg: the journaled events still retained, without their payloads: stream, size, whether each matches a replay''s selection; relays only';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._replay_events(event_ids, since, until, aggregate_types, wanted)
---
---     The events of event_ids still in the log (or, published from the failure path, in
---     outbox.held), each with whether it matches the replay's selection. One index probe per event
---     and table, whatever the statistics.
--- Returns: per event found: its fields in the text form entries carry, and matches
--- Reads:   outbox.events_0..2 (event_id indexes), outbox.held
--- Called by: a relay's replay round
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._replay_events(event_ids uuid[], since timestamptz, until timestamptz,
+CREATE OR REPLACE FUNCTION outbox._replay_events(event_ids uuid[], since timestamptz, until timestamptz,
                                       aggregate_types text[], wanted uuid[])
 RETURNS TABLE (event_id uuid, id bigint, aggregate_type text, aggregate_id text, event_type text,
                payload text, headers text, stream text, created_at text, matches boolean)
@@ -1249,22 +1601,11 @@ AS $fn$
           LIMIT 1
       ) e;
 $fn$;
+
 COMMENT ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
     'outbox_pg: the journaled events still retained, with whether each matches a replay''s selection; relays only';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._replay_progress(replay, relay_pid, next_round, next_index, walked, replayed, filtered,
---                         missing, errors, last_error, done, not_before)
---
---     Records a replay round: the new position and counts, the throttle's next start, and done
---     when the journal is walked to its last round (or to the end of what retention left of it:
---     the entries of `journaled` the walk never reached are counted missing then); only while this
---     relay holds the replay and it runs (a cancel wins).
--- Returns: whether it was recorded
--- Writes:  update outbox.replay_requests
--- Called by: a relay's replay round, after Redis answered
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._replay_progress(replay bigint, relay_pid integer, next_round bigint, next_index integer,
+CREATE OR REPLACE FUNCTION outbox._replay_progress(replay bigint, relay_pid integer, next_round bigint, next_index integer,
                                         walked bigint, replayed bigint, filtered bigint, missing bigint,
                                         errors bigint, last_error text, done boolean, not_before timestamptz)
 RETURNS boolean
@@ -1294,18 +1635,11 @@ AS $fn$
     )
     SELECT EXISTS (SELECT 1 FROM recorded);
 $fn$;
+
 COMMENT ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) IS
     'outbox_pg: records a replay round''s progress; relays only';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._store_marks(target, streams, last_ms, last_seqs, written_at)
---
---     Stores a relay's stream marks for the Redis it writes to (src/sink/marks.rs), keeping the
---     later of each.
--- Writes:  insert or update outbox.stream_marks
--- Called by: a relay, at most once a second
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._store_marks(target text, streams text[], last_ms bigint[], last_seqs bigint[],
+CREATE OR REPLACE FUNCTION outbox._store_marks(target text, streams text[], last_ms bigint[], last_seqs bigint[],
                                     written_at timestamptz[])
 RETURNS void
 LANGUAGE sql VOLATILE
@@ -1317,27 +1651,11 @@ AS $fn$
        SET last_ms = excluded.last_ms, last_seq = excluded.last_seq, written_at = excluded.written_at
      WHERE (excluded.last_ms, excluded.last_seq) > (m.last_ms, m.last_seq);
 $fn$;
+
 COMMENT ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) IS
     'outbox_pg: stores the last entry ID written to each stream; relays only';
 
--- -------------------------------------------------------------------------------------------------
--- outbox.repair_losses(losses)
---
---     Replays what Redis lost: for each loss not repaired (of those ids, or all), the events of
---     exactly its stream (the key as it is: no pattern) published since the last entry Redis kept
---     (every retained one, for a stream Redis lost whole), and records the replay with the loss.
---     A loss is repaired once its replay is done with events replayed and none refused; one whose
---     replay was cancelled or refused by Redis is replayed again. One whose replay is done having
---     replayed nothing (no retained event maps to that stream under the outbox.stream template of
---     now: it was written under an earlier one, or retention removed its events) is replayed again
---     only when its id is passed; without ids it gets a WARNING saying what to do instead. Losses a
---     running replay repairs are left to it.
--- Returns: (loss, replay) per replay asked for
--- Raises:  22023 for an empty array, or ids no loss has; 22004 for a NULL id
--- Writes:  outbox.redis_losses (replay_id); outbox.replay_requests through outbox._request_replay
--- Called by: outbox_admin; a relay when outbox.replay_on_loss is on
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox.repair_losses(losses bigint[] DEFAULT NULL)
+CREATE OR REPLACE FUNCTION outbox.repair_losses(losses bigint[] DEFAULT NULL)
 RETURNS TABLE (loss bigint, replay bigint)
 LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
@@ -1392,18 +1710,11 @@ BEGIN
     END LOOP;
 END
 $fn$;
+
 COMMENT ON FUNCTION outbox.repair_losses(bigint[]) IS
     'outbox_pg: replays exactly the stream of each loss in outbox.redis_losses not repaired (or of those ids); returns the replays';
 
--- -------------------------------------------------------------------------------------------------
--- outbox._report_losses(streams, expected_ids, expected_at, found_ids)
---
---     Records losses a relay found; a loss another relay recorded already is not recorded twice.
--- Returns: the losses recorded now
--- Writes:  insert outbox.redis_losses
--- Called by: a relay after a check of its stream marks (src/relay/worker.rs)
--- -------------------------------------------------------------------------------------------------
-CREATE FUNCTION outbox._report_losses(streams text[], expected_ids text[], expected_at timestamptz[], found_ids text[])
+CREATE OR REPLACE FUNCTION outbox._report_losses(streams text[], expected_ids text[], expected_at timestamptz[], found_ids text[])
 RETURNS SETOF outbox.redis_losses
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -1413,25 +1724,85 @@ AS $fn$
     ON CONFLICT (stream, expected_id) DO NOTHING
     RETURNING *;
 $fn$;
+
 COMMENT ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) IS
     'outbox_pg: records the losses a relay found, once; relays only';
 
 REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) FROM PUBLIC;
+
 GRANT EXECUTE ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer),
                           outbox.cancel_replay(bigint), outbox.repair_losses(bigint[]) TO outbox_admin;
-GRANT SELECT ON outbox.replays, outbox.journal, outbox.redis_losses, outbox.stream_marks TO outbox_admin;
+
+GRANT SELECT ON outbox.replays, outbox.redis_losses, outbox.stream_marks TO outbox_admin;
+
 GRANT SELECT ON outbox.replays, outbox.redis_losses TO pg_monitor;
+
+-- src/sql/health.sql
+CREATE OR REPLACE FUNCTION outbox._log_pending(count_events boolean)
+RETURNS TABLE (events bigint, oldest timestamptz)
+LANGUAGE c STRICT VOLATILE
+AS 'MODULE_PATHNAME', 'log_pending_sql_wrapper';
+
+COMMENT ON FUNCTION outbox._log_pending(boolean) IS
+    'Internal: the log''s undelivered events (counted when count_events) and when the oldest was enqueued, from the log''s indexes';
+
+CREATE OR REPLACE FUNCTION outbox._health(count_events boolean DEFAULT true)
+RETURNS TABLE (undelivered bigint, failed bigint, oldest timestamptz, last_published_at timestamptz)
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+AS $fn$
+    SELECT l.events + CASE WHEN count_events
+                          THEN (SELECT count(*) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'waiting')
+                          ELSE 0 END,
+           CASE WHEN count_events
+                THEN (SELECT count(*) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'failed')
+                ELSE 0 END,
+           least(l.oldest, (SELECT min(h.created_at) FROM outbox.held h WHERE h.status IN ('waiting', 'failed') AND h.status = 'waiting')),
+           greatest((SELECT max(t.last) FROM outbox.shards s
+                      CROSS JOIN LATERAL (SELECT max(k.at) AS last FROM outbox.ticks k WHERE k.shard = s.shard) t),
+                    (SELECT max(h.published_at) FROM outbox.held h WHERE h.status IN ('published', 'skipped') AND h.status = 'published'))
+      FROM outbox._log_pending(count_events) l
+$fn$;
+
+COMMENT ON FUNCTION outbox._health(boolean) IS
+    'outbox.stats'' figures: undelivered (log and failure path), failed, oldest undelivered and last published, from indexes only';
+
+CREATE OR REPLACE FUNCTION outbox.oldest_pending_age()
+RETURNS interval
+LANGUAGE sql STABLE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT clock_timestamp() - h.oldest FROM outbox._health(false) h
+$fn$;
+
+COMMENT ON FUNCTION outbox.oldest_pending_age() IS
+    'Age of the oldest undelivered event (pending or in flight), NULL when none: the outbox health signal';
 
 CREATE OR REPLACE VIEW outbox.stats AS
 SELECT
@@ -1454,168 +1825,72 @@ SELECT
                            AND (q.state = 'running' OR (q.state = 'done' AND q.errors = 0 AND q.replayed > 0))))
                                                                             AS redis_data_loss
 FROM outbox.relay_status() AS r, outbox._health() AS h;
+
+COMMENT ON VIEW outbox.stats IS
+    'One row of outbox health, cheap enough to poll every few seconds: exact pending/publishing/failed counts, events published since the server started, oldest_pending_age is the alert signal';
+
+COMMENT ON COLUMN outbox.stats.published_total IS 'Events the relays of this database published since the server started (exact; a counter like pg_stat''s, reset by a restart)';
+
+COMMENT ON COLUMN outbox.stats.oldest_pending_age IS 'Age of the oldest undelivered event; NULL when nothing is pending';
+
 COMMENT ON COLUMN outbox.stats.redis_data_loss IS 'Losses of acknowledged entries the relays noticed (outbox.redis_losses) that no replay repaired or is repairing: none asked for, or one cancelled, refused by Redis, or done having replayed no event (outbox.repair_losses())';
 
-DROP FUNCTION outbox._undelivered();
+COMMENT ON COLUMN outbox.stats.last_error IS 'The relay''s most recent error (Redis or database), kept after recovery; see last_error_at';
+
 REVOKE ALL ON FUNCTION outbox._health(boolean) FROM PUBLIC;
+
 REVOKE ALL ON FUNCTION outbox._log_pending(boolean) FROM PUBLIC;
+
 GRANT EXECUTE ON FUNCTION outbox._health(boolean) TO outbox_admin, pg_monitor;
 
--- -------------------------------------------------------------------------------------------------
--- The functions only tests call leave the install script: they are in the test build alone
--- (schema tests, src/sql/test_helpers.sql), and its library alone has their C functions.
--- -------------------------------------------------------------------------------------------------
+GRANT SELECT ON outbox.stats TO outbox_admin, pg_monitor;
+
+GRANT USAGE ON SCHEMA outbox TO pg_monitor;
+
+COMMENT ON FUNCTION outbox.relay_pid() IS
+    'Process id of a relay serving this database, NULL when none runs';
+
+COMMENT ON FUNCTION outbox.redis_connected() IS
+    'Whether the relays'' last contact with Redis succeeded';
+
+COMMENT ON FUNCTION outbox.relays() IS
+    'One row per running relay of this database: slot, pid, the events it is publishing and since when, and whether that round is older than outbox.lease (a hung relay)';
+
+COMMENT ON FUNCTION outbox.relay_status() IS
+    'The relays'' state as outbox.stats shows it: pid, how many run, Redis health, latest error, events in flight and published since the server started';
+
+COMMENT ON FUNCTION outbox._next_xid() IS
+    'Internal: the next transaction id to be assigned, above every transaction that has one; retention''s bound on the writers of a switched table';
+
+COMMENT ON FUNCTION outbox._enqueue_in_progress(text, text) IS
+    'Internal: whether a transaction holds this aggregate''s order lock, i.e. is enqueuing for it right now (outbox.forget_aggregates)';
+
+COMMENT ON FUNCTION outbox._exclude_transactions_past_the_cap() IS
+    'Internal: keeps transactions past the order-lock cap out until this transaction ends; false, without waiting, while one runs (outbox.forget_aggregates)';
+
+COMMENT ON FUNCTION outbox._calling_role() IS
+    'Internal: the role the caller acts as outside any SECURITY DEFINER function (outbox_mark_processed)';
+
+COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
+    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s into)';
+
+COMMENT ON FUNCTION outbox._wake_for_replay() IS
+    'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';
+
+REVOKE ALL ON FUNCTION outbox._check_allowed_stream(text) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._wake_for_replay() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._next_xid() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._exclude_transactions_past_the_cap() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._enqueue_in_progress(text, text) FROM PUBLIC;
+
+-- Dropped once the views that used them in 0.2.0 are replaced.
+DROP FUNCTION outbox._undelivered();
 DROP FUNCTION outbox._read_shard(smallint, pg_snapshot, pg_snapshot, integer);
 DROP FUNCTION outbox._cursor_below(pg_snapshot, bigint);
 DROP FUNCTION outbox._counters(text[], text[]);
 DROP FUNCTION outbox._shard_of(text, text);
-
--- -------------------------------------------------------------------------------------------------
--- A COMMENT on every object (src/sql/, one file per concern; issue 25).
--- -------------------------------------------------------------------------------------------------
--- The data (schema.sql).
-COMMENT ON SEQUENCE outbox.events_id_seq IS
-    'outbox_pg: event ids, ascending across the three log tables (within an aggregate, id order is commit order)';
-COMMENT ON INDEX outbox.events_0_batch_idx IS
-    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
-COMMENT ON INDEX outbox.events_1_batch_idx IS
-    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
-COMMENT ON INDEX outbox.events_2_batch_idx IS
-    'outbox_pg: the relays'' only access path to the log, a shard''s transactions in txid order (opened by name)';
-COMMENT ON INDEX outbox.events_0_event_id_idx IS
-    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
-COMMENT ON INDEX outbox.events_1_event_id_idx IS
-    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
-COMMENT ON INDEX outbox.events_2_event_id_idx IS
-    'outbox_pg: an event by its event_id (outbox.messages, the failure path)';
-COMMENT ON INDEX outbox.generations_one_current IS
-    'outbox_pg: one current table at most; outbox_enqueue finds it through this index (by name)';
-COMMENT ON FUNCTION outbox._initial_cursor() IS
-    'Internal: the cursor a new installation starts from: everything visible now is consumed, except the calling transaction';
-COMMENT ON TABLE outbox.ticks IS
-    'outbox_pg: when each shard''s cursor passed where, about once a second at most: outbox.messages.published_at';
-COMMENT ON INDEX outbox.ticks_shard_at_idx IS
-    'outbox_pg: a shard''s ticks in time order (published_at; the latest, for outbox.stats.last_published_at)';
-COMMENT ON INDEX outbox.held_undelivered_idx IS
-    'outbox_pg: what the failure path still holds, per shard and aggregate in aggregate_seq order; the relay''s statements spell its predicate to use it';
-COMMENT ON INDEX outbox.held_done_idx IS
-    'outbox_pg: the failure path''s published and skipped rows by age, for retention';
-COMMENT ON INDEX outbox.aggregates_pkey IS
-    'outbox_pg: the relays read each aggregate''s counter through this index (by name), one probe per aggregate';
-COMMENT ON INDEX outbox.processed_messages_processed_at_idx IS
-    'outbox_pg: dedup marks by age, for outbox.retention and outbox.purge_processed';
-COMMENT ON INDEX outbox.installation_one_row IS 'outbox_pg: one row at most';
-
--- The relay's statements (relay/*.sql).
-COMMENT ON FUNCTION outbox._claim_shards(integer, integer, integer) IS
-    'Relay internal: takes and keeps this relay''s share of the shards (SKIP LOCKED, lease) and returns what each reads up to this round';
-COMMENT ON FUNCTION outbox._held_aggregates(text[], text[], smallint[]) IS
-    'Relay internal: which of these aggregates (1-based positions) have events on the failure path, so that their new events wait behind them';
-COMMENT ON FUNCTION outbox._held_due(smallint[], integer, boolean) IS
-    'Relay internal: the failure path''s events due now in these shards, each aggregate''s up to its first one backing off or failed (in_order)';
-COMMENT ON FUNCTION outbox._hold(uuid[], bigint[], text[], integer, integer) IS
-    'Relay internal: moves events Redis rejected, and the events of their aggregates behind them, from the log to the failure path; returns how many failed';
-COMMENT ON FUNCTION outbox._settle_held(bigint[], bigint[], text[], integer, integer) IS
-    'Relay internal: marks the failure path''s events Redis accepted published, and backs off or fails those it rejected again; returns how many failed';
-COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) IS
-    'Relay internal: finishes a batch: moves the cursors (or window positions) of the shards this relay still holds and the counters of its aggregates, and journals what it published';
-COMMENT ON FUNCTION outbox._reap_shards(integer) IS
-    'Relay internal: frees the shards of relays that exited or whose lease expired; returns how many';
-COMMENT ON FUNCTION outbox._record_snapshot(boolean) IS
-    'Relay internal: forgets the recorded snapshots every cursor has passed and, while anything is undelivered, records one a second';
-
--- The restore's rebase (restore.sql).
-COMMENT ON FUNCTION outbox._catch_restored_row() IS
-    'Internal (restore): keeps a dumped row of outbox.shards or outbox.generations aside for outbox._rebase instead of inserting it';
-COMMENT ON FUNCTION outbox._rebase_after_restore() IS
-    'Internal (restore): runs outbox._rebase after a restore''s insert into outbox.shards or outbox.generations';
-COMMENT ON TRIGGER catch_restored_shard ON outbox.shards IS
-    'outbox_pg: catches a restore''s dumped cursor for outbox._rebase';
-COMMENT ON TRIGGER catch_restored_generation ON outbox.generations IS
-    'outbox_pg: catches a restore''s dumped generation state for outbox._rebase';
-COMMENT ON TRIGGER rebase_restored_shards ON outbox.shards IS
-    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
-COMMENT ON TRIGGER rebase_restored_generations ON outbox.generations IS
-    'outbox_pg: rebases a restored dump once its cursors and generations are all in';
-
--- Copies and health (copies.sql, health.sql), and the functions written in Rust.
-COMMENT ON FUNCTION outbox._database_created_by() IS
-    'Internal: the transaction that created this database (events copied from a template are older, its own younger); NULL when frozen';
-COMMENT ON FUNCTION outbox._log_pending(boolean) IS
-    'Internal: the log''s undelivered events (counted when count_events) and when the oldest was enqueued, from the log''s indexes';
-COMMENT ON FUNCTION outbox.relay_pid() IS
-    'Process id of a relay serving this database, NULL when none runs';
-COMMENT ON FUNCTION outbox.redis_connected() IS
-    'Whether the relays'' last contact with Redis succeeded';
-COMMENT ON FUNCTION outbox.relays() IS
-    'One row per running relay of this database: slot, pid, the events it is publishing and since when, and whether that round is older than outbox.lease (a hung relay)';
-COMMENT ON FUNCTION outbox.relay_status() IS
-    'The relays'' state as outbox.stats shows it: pid, how many run, Redis health, latest error, events in flight and published since the server started';
-COMMENT ON FUNCTION outbox._next_xid() IS
-    'Internal: the next transaction id to be assigned, above every transaction that has one; retention''s bound on the writers of a switched table';
-COMMENT ON FUNCTION outbox._enqueue_in_progress(text, text) IS
-    'Internal: whether a transaction holds this aggregate''s order lock, i.e. is enqueuing for it right now (outbox.forget_aggregates)';
-COMMENT ON FUNCTION outbox._exclude_transactions_past_the_cap() IS
-    'Internal: keeps transactions past the order-lock cap out until this transaction ends; false, without waiting, while one runs (outbox.forget_aggregates)';
-COMMENT ON FUNCTION outbox._calling_role() IS
-    'Internal: the role the caller acts as outside any SECURITY DEFINER function (outbox_mark_processed)';
-
--- outbox_enqueue draws its event ids in Rust (src/enqueue/mod.rs); the SQL-callable generator it
--- once called had no other use.
 DROP FUNCTION outbox.uuid_generate_v7();
-
--- outbox_mark_processed refuses a consumer name longer than 255 bytes (src/sql/dedup.sql).
-CREATE OR REPLACE FUNCTION @extschema@.outbox_mark_processed(consumer text, event_id uuid)
-RETURNS boolean
-LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE
-SECURITY DEFINER
-SET search_path = pg_catalog, pg_temp
-AS $fn$
-DECLARE
-    first_time boolean;
-    caller     regrole;
-    owner_role regrole;
-BEGIN
-    IF outbox_mark_processed.consumer IS NULL OR outbox_mark_processed.consumer = '' THEN
-        RAISE EXCEPTION 'outbox_mark_processed: consumer must be a non-empty name, got %',
-                coalesce(quote_literal(outbox_mark_processed.consumer), 'NULL')
-            USING ERRCODE = CASE WHEN outbox_mark_processed.consumer IS NULL THEN 'null_value_not_allowed'
-                                 ELSE 'invalid_parameter_value' END,
-                  HINT = 'Name the consuming service, e.g. ''notifications''; each consumer deduplicates on its own.';
-    END IF;
-    IF octet_length(outbox_mark_processed.consumer) > 255 THEN
-        RAISE EXCEPTION 'outbox_mark_processed: consumer name is % bytes long (starts with %), the limit is 255 bytes',
-                octet_length(outbox_mark_processed.consumer), quote_literal(left(outbox_mark_processed.consumer, 40))
-            USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Name the consuming service with at most 255 bytes, like aggregate and event types, e.g. ''notifications''.';
-    END IF;
-    IF outbox_mark_processed.event_id IS NULL THEN
-        RAISE EXCEPTION 'outbox_mark_processed: event_id must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed',
-                  HINT = 'Pass the entry''s event_id field, e.g. outbox_mark_processed(''notifications'', ''…''::uuid).';
-    END IF;
-    -- A consumer name belongs to the role that used it first: another consumer marking events
-    -- under it would make this one skip them. current_user is the owner here (SECURITY DEFINER),
-    -- so the caller's role comes from _calling_role (the role in effect outside this function).
-    caller := outbox._calling_role();
-    SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
-    IF NOT FOUND THEN
-        INSERT INTO outbox.consumers AS c (consumer, owner)
-        VALUES (outbox_mark_processed.consumer, caller)
-        ON CONFLICT ON CONSTRAINT consumers_pkey DO NOTHING;
-        SELECT c.owner INTO owner_role FROM outbox.consumers c WHERE c.consumer = outbox_mark_processed.consumer;
-    END IF;
-    IF NOT pg_catalog.pg_has_role(caller::oid, owner_role::oid, 'MEMBER') THEN
-        RAISE EXCEPTION 'outbox_mark_processed: consumer name % belongs to role %, not to %',
-                quote_literal(outbox_mark_processed.consumer), owner_role, caller
-            USING ERRCODE = 'insufficient_privilege',
-                  HINT = 'Use a consumer name of your own, or have an outbox_admin release this one (DELETE FROM outbox.consumers WHERE consumer = ...) or grant you its owner role.';
-    END IF;
-    INSERT INTO outbox.processed_messages AS p (consumer, event_id)
-    VALUES (outbox_mark_processed.consumer, outbox_mark_processed.event_id)
-    ON CONFLICT ON CONSTRAINT processed_messages_pkey DO NOTHING
-    RETURNING true INTO first_time;
-    RETURN coalesce(first_time, false);
-END
-$fn$;
-
