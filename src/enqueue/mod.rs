@@ -3,7 +3,7 @@
 //! relay will deliver the event, captures the trace context it runs in (`trace`), takes the
 //! aggregate's order lock, and appends one row to the current table of the log
 //! (src/log/append.rs). The SQL declaration, its privileges and its
-//! bigint/uuid overloads are in `src/sql/api.sql`.
+//! bigint/uuid overloads are in `src/sql/enqueue.sql`.
 //!
 //! It is `SECURITY DEFINER` (writers have no privilege on the log) without a pinned `search_path`
 //! clause: pinning one costs a GUC save and restore on every call. The direct path needs none: it
@@ -177,7 +177,7 @@ fn jsonb_type_of(text: &str) -> &'static str {
 }
 
 /// `outbox_enqueue(aggregate_type, aggregate_id, event_type, payload, headers, stream)`, declared
-/// in `src/sql/api.sql`. `payload` and `headers` arrive as jsonb datums, passed on to the insert
+/// in `src/sql/enqueue.sql`. `payload` and `headers` arrive as jsonb datums, passed on to the insert
 /// untouched.
 #[pg_extern(sql = false, volatile, parallel_unsafe)]
 fn outbox_enqueue(

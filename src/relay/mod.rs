@@ -4,8 +4,10 @@
 //! - `launcher`: starts, restarts and stops the relays of every database.
 //! - `worker`: one relay's main loop: signals, waits, backoff; `settings` what it runs with,
 //!   `health` what it reports (logged on changes of state).
-//! - `round`: one round: `read` (claim and read), publish to Redis, `settle` (finish);
-//!   `state` is what the rounds keep from one to the next, `readiness` whether they may run.
+//! - `round`: one round: `read` (claim and read), `publish` (what goes to Redis, and what Redis
+//!   said of each entry), `settle` (finish); `state` is what the rounds keep from one to the
+//!   next, `readiness` whether they may run.
+//! - `replay`: replay rounds between live ones; `losses`: noticing and recording lost entries.
 //! - `housekeeping`: the reaper, the age check, recorded snapshots, retention.
 //! - `backoff`, `txn`: capped exponential backoff; a database step as a short transaction.
 

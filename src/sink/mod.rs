@@ -6,6 +6,8 @@
 //! - `node`: one node: connecting (credentials, TLS) and the MULTI/EXEC exchange with a deadline.
 //! - `cluster`: hash slots and the slot map; `sentinel`: asking sentinels for the master.
 //! - `address`: URLs (one node, or a list of nodes), the password file, and masking.
+//! - `entry`: an event as a stream entry (native or CloudEvents fields, written as RESP).
+//! - `marks`: each stream's last entry this relay wrote, to notice entries Redis lost.
 
 pub mod address;
 pub mod cluster;

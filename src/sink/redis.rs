@@ -8,7 +8,7 @@
 //!   each slot's events are one MULTI/EXEC block, and each master gets its blocks in one pipeline,
 //!   all masters at once. MOVED updates the slot map and sends the block to the node named; ASK
 //!   sends it there once, after ASKING. An aggregate's events in a round all go to one stream key
-//!   (tick.rs defers the rest), hence to one block, so splitting never reorders an aggregate.
+//!   (`relay::publish` defers the rest to the next round), hence to one block, so splitting never reorders an aggregate.
 //!
 //! One file, longer than most: publishing to each topology (one node, a Sentinel's master, a
 //! Cluster's masters with MOVED and ASK), sending a batch now and landing it later, and the check for
