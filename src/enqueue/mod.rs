@@ -22,6 +22,7 @@ use crate::guc;
 use crate::log::append;
 use crate::log::columns::{Column, Row};
 
+pub mod checks;
 pub mod order;
 pub mod streams;
 pub mod trace;
@@ -240,8 +241,8 @@ fn outbox_enqueue(
             );
         }
     }
-    crate::api::check_relayed_database();
-    crate::api::check_allowed_stream(aggregate_type, event_type, stream);
+    checks::check_relayed_database();
+    checks::check_allowed_stream(aggregate_type, event_type, stream);
 
     // The limit applies to what is sent to Redis: the payload's JSON text.
     // SAFETY: a non-NULL jsonb argument.
