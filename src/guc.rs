@@ -284,7 +284,7 @@ pub fn init(preloading: bool) {
         c"Each needs a slot in max_worker_processes. Per-aggregate order holds across them.",
         &WORKERS,
         1,
-        crate::shared::MAX_RELAYS as i32,
+        crate::shared::databases::MAX_RELAYS as i32,
         GucContext::Sighup,
         GucFlags::empty(),
     );
@@ -582,7 +582,7 @@ pub fn parse_database_list(text: &str) -> Vec<String> {
 }
 
 pub fn workers() -> usize {
-    WORKERS.get().clamp(1, crate::shared::MAX_RELAYS as i32) as usize
+    WORKERS.get().clamp(1, crate::shared::databases::MAX_RELAYS as i32) as usize
 }
 
 pub fn batch_size() -> usize {
@@ -822,7 +822,7 @@ unsafe extern "C-unwind" fn check_traceparent(
 ) -> bool {
     let check = |value: &str| if value.is_empty() { Ok(()) } else { outbox_protocol::trace::check_traceparent(value) };
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
-    unsafe { check_string(newval, check, Some(crate::enqueue::trace::TRACEPARENT_HINT)) }
+    unsafe { check_string(newval, check, Some(outbox_protocol::trace::TRACEPARENT_HINT)) }
 }
 
 /// Refuses an `outbox.tracestate` that is not a W3C tracestate.
@@ -834,7 +834,7 @@ unsafe extern "C-unwind" fn check_tracestate(
 ) -> bool {
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
     unsafe {
-        check_string(newval, outbox_protocol::trace::check_tracestate, Some(crate::enqueue::trace::TRACESTATE_HINT))
+        check_string(newval, outbox_protocol::trace::check_tracestate, Some(outbox_protocol::trace::TRACESTATE_HINT))
     }
 }
 

@@ -17,6 +17,14 @@ fn lower_hex(part: &str) -> bool {
     part.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// The hints of an error refusing a traceparent or a tracestate (`outbox_enqueue`'s, and the
+/// check hooks of `outbox.traceparent` and `outbox.tracestate`).
+pub const TRACEPARENT_HINT: &str =
+    "A W3C traceparent looks like '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01': \
+     version 00, lowercase hex, trace id and parent id not all zeros. Pass the one your tracer gives, or none.";
+pub const TRACESTATE_HINT: &str = "A W3C tracestate looks like 'rojo=00f067aa0ba902b7,congo=t61rcWkgMzE': at most 32 \
+     key=value members and 512 bytes. Pass the one your tracer gives, or none.";
+
 /// Checks a `traceparent` of version `00`: `00-` 32 lowercase hex digits (the trace id, not all
 /// zeros) `-` 16 (the parent span id, not all zeros) `-` 2 (the flags). Other versions are refused:
 /// version 00 is the only one defined, and what a later one adds is not known here.

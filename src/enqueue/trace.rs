@@ -7,18 +7,12 @@
 //! no column for it.
 
 use outbox_protocol::entry::{TRACEPARENT, TRACESTATE};
-use outbox_protocol::trace::{check_traceparent, check_tracestate};
+use outbox_protocol::trace::{check_traceparent, check_tracestate, TRACEPARENT_HINT, TRACESTATE_HINT};
 use pgrx::pg_sys;
 use pgrx::prelude::*;
 
 use super::refuse;
 use crate::guc;
-
-pub const TRACEPARENT_HINT: &str =
-    "A W3C traceparent looks like '00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01': \
-     version 00, lowercase hex, trace id and parent id not all zeros. Pass the one your tracer gives, or none.";
-pub const TRACESTATE_HINT: &str = "A W3C tracestate looks like 'rojo=00f067aa0ba902b7,congo=t61rcWkgMzE': at most 32 \
-     key=value members and 512 bytes. Pass the one your tracer gives, or none.";
 
 /// The headers to store for an event enqueued with `headers`: the same datum when they carry a
 /// trace context or none is set, else the headers (or a new object) with `outbox.traceparent` and

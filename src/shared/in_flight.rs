@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use pgrx::prelude::*;
 
+use crate::shared::databases::{this_entry, MAX_RELAYS};
 use crate::shared::sized::{SharedArray, Zeroed};
-use crate::shared::{self, MAX_RELAYS};
 
 /// The rounds in flight of one database entry's relays, by slot.
 pub struct InFlightEntry {
@@ -42,7 +42,7 @@ fn is_overdue(since: i64, now: i64, lease: Duration) -> bool {
 
 /// This database's relays' rounds, if the launcher serves this database.
 fn here() -> Option<&'static InFlightEntry> {
-    shared::this_entry().and_then(|entry| ROUNDS.get().get(entry))
+    this_entry().and_then(|entry| ROUNDS.get().get(entry))
 }
 
 /// Forgets every round of `entry` (the launcher assigns it to a database).
