@@ -21,6 +21,7 @@ use pgrx::prelude::*;
 
 mod api;
 mod enqueue;
+mod event;
 #[cfg(feature = "fault-injection")]
 mod faults;
 mod guc;

@@ -4,6 +4,7 @@
 //! - `columns`: the tables and their columns, written once for every Rust path.
 //! - `append`: the enqueue's write: the current table, the next id, the row's insert.
 //! - `snapshot`: a cursor's `pg_snapshot`: which transactions it sees.
+//! - `batch`: what a round takes: an event with its place in the publish order, the allowance.
 //! - `window`: the batch rule: which events of a shard a round publishes, in which order, and how
 //!   a window too large for one round is published in parts.
 //! - `tables`: the tables opened under one snapshot, and their index scans.
@@ -12,6 +13,7 @@
 //! - `datums`: relations, columns and values read without the executor.
 
 pub mod append;
+pub mod batch;
 pub mod columns;
 pub mod counters;
 pub mod datums;

@@ -5,10 +5,10 @@
 
 use pgrx::prelude::*;
 
+use crate::event::{OutboxEvent, TraceContext};
+use crate::log::batch::{Budget, LogEvent};
 use crate::log::columns::{Column, BATCH_INDEXES, COLUMNS, COUNT, INDEX_ID, INDEX_SHARD, INDEX_TXID, TABLES};
 use crate::log::datums;
-use crate::log::window::{Budget, LogEvent};
-use crate::sink::entry::{OutboxEvent, TraceContext};
 
 /// Who reads, for the errors.
 const READER: &str = "outbox_pg (reading the log)";

@@ -7,6 +7,7 @@
 //! - `round`: one round: `read` (claim and read), `publish` (what goes to Redis, and what Redis
 //!   said of each entry), `settle` (finish); `state` is what the rounds keep from one to the
 //!   next, `readiness` whether they may run.
+//! - `tick_settings`: what every step of a round is given (a leaf they all share).
 //! - `replay`: replay rounds between live ones; `losses`: noticing and recording lost entries.
 //! - `housekeeping`: the reaper, the age check, recorded snapshots, retention.
 //! - `backoff`, `txn`: capped exponential backoff; a database step as a short transaction.
@@ -24,5 +25,6 @@ pub mod round;
 pub mod settings;
 pub mod settle;
 pub mod state;
+pub mod tick_settings;
 pub mod txn;
 pub mod worker;

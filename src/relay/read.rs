@@ -9,14 +9,14 @@ use std::time::Duration;
 use pgrx::prelude::*;
 use pgrx::{PgBuiltInOids, PgOid};
 
+use crate::event::{OutboxEvent, TraceContext};
 use crate::log::counters;
 use crate::log::window::{read_shard, Budget, Snapshot};
 use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::round::{Map, Set, TickSettings};
 use crate::relay::state::{RoundState, Statement};
+use crate::relay::tick_settings::{Map, Set, TickSettings};
 use crate::relay::txn;
 use crate::shared;
-use crate::sink::entry::{OutboxEvent, TraceContext};
 
 const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded, window_max_id, window_last_id \
                      FROM outbox._claim_shards($1, $2, $3)";

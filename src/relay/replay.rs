@@ -18,8 +18,8 @@ use pgrx::prelude::*;
 
 use crate::enqueue::streams;
 use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::round::TickSettings;
 use crate::relay::state::RoundState;
+use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
 use crate::sink::entry::{render_stream_template, OutboxEvent, TraceContext};
 use crate::sink::redis::{BrokerError, EntryOutcome, RedisSink};

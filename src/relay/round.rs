@@ -3,10 +3,9 @@
 //! transaction open; the publish list and the count of outcomes: src/relay/publish.rs), finish
 //! (one short transaction: src/relay/settle.rs); a large round is sent and left in flight while
 //! the next one is read (`Flight`). No signal handling and no waiting here: the outcome, and the
-//! `RoundState` the loop owns (src/relay/state.rs), decide what the main loop does next. The design
+//! `RoundState` and `Flight` the loop owns (src/relay/state.rs), decide what the main loop does next. The design
 //! is in docs/worker.md, "The log" and "Reading the next round while Redis works".
 
-use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::relay::publish::{next_pipeline, publish_list, PipelineLimits, PublishList, Source, Tally, PIPELINE_BYTES};
@@ -14,40 +13,11 @@ use crate::relay::read::{read_round, Batch, Read};
 use crate::relay::readiness::Readiness;
 use crate::relay::settle::{finish, Settlement};
 use crate::relay::state::RoundState;
+use crate::relay::tick_settings::TickSettings;
 use crate::shared;
 use crate::shared::in_flight;
-use crate::sink::entry::{EntrySettings, OutboxEvent};
+use crate::sink::entry::OutboxEvent;
 use crate::sink::redis::{BrokerError, RedisSink, Sent};
-
-/// The round's per-event maps and sets: keyed by aggregates, so by the application's strings, and
-/// looked up several times per event. foldhash is several times faster than the standard SipHash
-/// on such short keys and, seeded per process, keeps a hostile choice of ids from degrading them.
-pub type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-pub type Set<K> = HashSet<K, foldhash::fast::RandomState>;
-
-/// What the relay needs to know for one round; read from the settings before each round.
-#[derive(Debug, Clone)]
-pub struct TickSettings {
-    /// This relay's slot (for what it has in flight) and process id (what holds its shards).
-    pub slot: usize,
-    pub pid: i32,
-    /// How many of the 16 shards this relay takes: its share of `outbox.workers`.
-    pub share: usize,
-    /// Shards of a relay whose lease is older than this are taken over (`outbox.lease`).
-    pub lease: Duration,
-    /// Events read per shard per round (a round may carry `share` times as many).
-    pub batch_size: usize,
-    /// Where and how entries are written (`outbox.stream`, `outbox.stream_maxlen`,
-    /// `outbox.entry_format`).
-    pub entries: EntrySettings,
-    /// Keep per-aggregate order (`outbox.ordering = aggregate`).
-    pub in_order: bool,
-    /// Read every shard held, not only those committed into since the last round (the relay asks
-    /// for it once per poll interval, after a cut batch and after a failure).
-    pub full_read: bool,
-    pub max_attempts: i32,
-    pub retry_delay_ms: i32,
-}
 
 /// The outcome of one round.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,15 +114,16 @@ pub fn tick(
     sink: &mut RedisSink,
     settings: &TickSettings,
     state: &mut RoundState,
+    flight: &mut Option<Flight>,
     timings: &mut RoundTimings,
 ) -> TickOutcome {
     let mut landed = None;
     let mut read = None;
-    if let Some(flight) = state.flight.take() {
+    if let Some(landing) = flight.take() {
         let started = Instant::now();
-        let next = read_round(settings, state, Some(&flight.batch));
+        let next = read_round(settings, state, Some(&landing.batch));
         timings.claim += started.elapsed();
-        let (outcome, clean) = land(flight, sink, state, timings);
+        let (outcome, clean) = land(landing, sink, state, timings);
         match next {
             Ok(Read::Batch(batch)) if clean => read = Some(Ok(Read::Batch(batch))),
             Ok(Read::Batch(batch)) => batch.give_back(),
@@ -179,7 +150,7 @@ pub fn tick(
         Ok(Read::NotReady(_)) => TickOutcome::ExtensionMissing,
         // Only a read after a round in flight is postponed, and that one was landed above.
         Ok(Read::Postponed) => TickOutcome::Idle,
-        Ok(Read::Batch(batch)) => run(batch, sink, settings, state, timings),
+        Ok(Read::Batch(batch)) => run(batch, sink, settings, state, flight, timings),
     };
     match landed {
         Some(landed) => merge(landed, outcome),
@@ -193,6 +164,7 @@ fn run(
     sink: &mut RedisSink,
     settings: &TickSettings,
     state: &mut RoundState,
+    flight: &mut Option<Flight>,
     timings: &mut RoundTimings,
 ) -> TickOutcome {
     timings.shards_held = Some(batch.shards.len());
@@ -223,7 +195,7 @@ fn run(
         timings.publish += started.elapsed();
         match sent {
             Ok(sent) => {
-                state.flight =
+                *flight =
                     Some(Flight { settings: settings.clone(), batch, list, sent, claimed, _in_flight: in_flight });
                 return TickOutcome::Worked {
                     claimed: 0,
@@ -326,9 +298,13 @@ fn land(
 
 /// Lands a round left in flight, if any (before the relay waits, pauses or exits), and finishes
 /// it; its outcome.
-pub fn land_in_flight(sink: &mut RedisSink, state: &mut RoundState) -> Option<TickOutcome> {
-    let flight = state.flight.take()?;
-    Some(land(flight, sink, state, &mut RoundTimings::default()).0)
+pub fn land_in_flight(
+    sink: &mut RedisSink,
+    state: &mut RoundState,
+    flight: &mut Option<Flight>,
+) -> Option<TickOutcome> {
+    let landing = flight.take()?;
+    Some(land(landing, sink, state, &mut RoundTimings::default()).0)
 }
 
 /// Finishes a published round: writes its outcome in one transaction.

@@ -10,8 +10,8 @@ use pgrx::{PgBuiltInOids, PgOid};
 
 use crate::relay::read::{Batch, ShardBatch};
 use crate::relay::readiness::installation;
-use crate::relay::round::TickSettings;
 use crate::relay::state::{RoundState, Statement, Statements};
+use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
 
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";

@@ -1,8 +1,8 @@
 //! What a relay keeps from one round to the next, owned by its worker loop and passed to every
 //! round: the statements it prepared once, the claim it may keep for a while, the shards it held
 //! (for the commit flags), the transactions of the windows it publishes in parts, when it last
-//! checked the extension's version, and a round left in flight. Nothing else carries state between
-//! rounds.
+//! checked the extension's version. With the round left in flight (src/relay/round.rs, `Flight`,
+//! kept beside it by the worker), nothing else carries state between rounds.
 
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,6 @@ use pgrx::spi::{OwnedPreparedStatement, SpiClient};
 use pgrx::PgOid;
 
 use crate::log::window::{WindowPlans, ROUND_EVENTS};
-use crate::relay::round::Flight;
 
 /// A relay's state between rounds (see the module's header).
 #[derive(Default)]
@@ -28,8 +27,6 @@ pub struct RoundState {
     /// The installation last found at the library's version, and when: the version is read again
     /// at most once a second (an ALTER EXTENSION UPDATE keeps the OID), not every round.
     pub version_checked: Option<(pg_sys::Oid, Instant)>,
-    /// A round sent to Redis and not landed yet (src/relay/round.rs, `tick`).
-    pub flight: Option<Flight>,
     /// How many events a round may take: fewer after exchanges that timed out.
     pub allowance: RoundAllowance,
 }

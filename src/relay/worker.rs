@@ -21,9 +21,10 @@ use crate::relay::health::{human, log_if_slow_round, millis, Health, HealthLog};
 use crate::relay::housekeeping::{self, HousekeepingOutcome};
 use crate::relay::losses;
 use crate::relay::replay::{self, ReplayOutcome};
-use crate::relay::round::{self, RoundTimings, TickOutcome, TickSettings};
+use crate::relay::round::{self, Flight, RoundTimings, TickOutcome};
 use crate::relay::settings::{self, adopt_own_settings, redis_config, warn_about_settings};
 use crate::relay::state::RoundState;
+use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
 use crate::shared::in_flight;
 use crate::shared::{self, ExtensionState};
@@ -72,6 +73,8 @@ struct Relay {
     sink: RedisSink,
     /// What the rounds keep from one to the next.
     state: RoundState,
+    /// A round sent to Redis and not landed yet (src/relay/round.rs, `tick`).
+    flight: Option<Flight>,
     backoff: Backoff,
     health: HealthLog,
     retry_at: Option<Instant>,
@@ -155,6 +158,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         slot,
         sink: RedisSink::new(),
         state: RoundState::default(),
+        flight: None,
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
         health: HealthLog::new(),
         retry_at: None,
@@ -352,7 +356,7 @@ impl Relay {
             }
         }
         let mut timings = RoundTimings::default();
-        let outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut timings);
+        let outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
         // Only where the extension is ready at this library's version (the marks' table is
         // 0.3.0's): after a round that could run.
         if matches!(outcome, TickOutcome::Worked { .. } | TickOutcome::Idle | TickOutcome::SteppedOver) {
@@ -403,7 +407,7 @@ impl Relay {
         // A time share: while live traffic flows, replay rounds (short ones) alternate with at
         // least as much time for live rounds, so a live event waits at most about one short
         // replay round; without live traffic, a replay round follows every idle live round.
-        let replay_now = self.state.flight.is_none()
+        let replay_now = self.flight.is_none()
             && shared::replay_requested()
             && if self.live_recently() {
                 self.replayed_at.elapsed() >= self.replay_took.max(REPLAY_EVERY)
@@ -415,8 +419,7 @@ impl Relay {
         if replay_now && next.is_none_or(|wait| !wait.is_zero()) && self.retry_at.is_none() {
             return self.replay(&settings).or(next);
         }
-        if self.state.flight.is_none() && self.retry_at.is_none() && shared::replay_requested() && self.live_recently()
-        {
+        if self.flight.is_none() && self.retry_at.is_none() && shared::replay_requested() && self.live_recently() {
             // The replay's turn comes once live rounds have had their share: wake up for it.
             let turn = self.replay_took.max(REPLAY_EVERY).saturating_sub(self.replayed_at.elapsed());
             return next.map(|wait| wait.min(turn));
@@ -694,7 +697,7 @@ impl Relay {
     /// its Redis or exits: its replies are read and it is finished, so that nothing it published
     /// is published again, and nothing waits on a round nobody lands.
     fn land_in_flight(&mut self) {
-        match round::land_in_flight(&mut self.sink, &mut self.state) {
+        match round::land_in_flight(&mut self.sink, &mut self.state, &mut self.flight) {
             Some(TickOutcome::BrokerDown { error, .. }) => {
                 self.failed(Health::BrokerDown(error.0));
             }
