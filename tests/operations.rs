@@ -601,3 +601,137 @@ fn messages_and_stats_agree_on_what_is_undelivered() {
     advance(&mut client, shard_r, &now, None);
     agree(&mut client, 3, 1);
 }
+
+/// What a plan read: every node's rows, and the rows its filters removed, over all its loops
+/// (EXPLAIN's figures are per loop).
+fn rows_examined(node: &serde_json::Value) -> f64 {
+    let loops = node["Actual Loops"].as_f64().unwrap_or(0.0);
+    let per_loop =
+        ["Actual Rows", "Rows Removed by Filter", "Rows Removed by Index Recheck", "Rows Removed by Join Filter"]
+            .iter()
+            .map(|key| node[*key].as_f64().unwrap_or(0.0))
+            .sum::<f64>();
+    let below: f64 = node["Plans"].as_array().map_or(0.0, |plans| plans.iter().map(rows_examined).sum());
+    per_loop * loops + below
+}
+
+/// Issue 35, item 8: counting what is not published in outbox.messages took 17.9 s while one
+/// transaction of 100,000 events was published in parts: for every event of it, the view looked up
+/// its transaction's largest id in the shard, and under the statistics of a long history that
+/// lookup read every event of the transaction (12,435 loops over 6,218 index entries each). The
+/// view now costs each event a bounded probe, whatever its transaction's size: here the rows the
+/// plan reads stay within a small multiple of the view's rows, and every status is the one a
+/// straightforward computation (each transaction's largest id by GROUP BY) gives. The relays are
+/// paused and this session publishes the windows in parts as a relay would.
+#[test]
+fn messages_reads_each_event_once_while_a_large_transaction_is_published_in_parts() {
+    let env = Env::start(&["outbox.enabled = off"]);
+    let mut client = env.pg.connect();
+    let me: i32 = client.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    assert_eq!(count(&mut client, "SELECT count(*) FROM outbox._claim_shards(pg_backend_pid(), 16, 600000)"), 16);
+    let advance_all = |client: &mut postgres::Client, windows: Option<(&str, &[i64], &[i64])>| {
+        let cursors: Vec<String> = client
+            .query("SELECT cursor::text FROM outbox.shards ORDER BY shard", &[])
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let now: String = client.query_one("SELECT pg_current_snapshot()::text", &[]).unwrap().get(0);
+        let shards: Vec<i16> = (0..16).collect();
+        // A window in parts leaves the cursors where they are; without one they move to now.
+        let cursors = if windows.is_some() { cursors } else { vec![now; 16] };
+        let uptos: Vec<Option<String>> = vec![windows.map(|w| w.0.to_string()); 16];
+        let max_ids: Vec<Option<i64>> = (0..16).map(|shard| windows.map(|w| w.1[shard])).collect();
+        let last_ids: Vec<Option<i64>> = (0..16).map(|shard| windows.map(|w| w.2[shard])).collect();
+        client
+            .execute(
+                "SELECT outbox._advance($1, $2, $3, $4, $5, $6, '{}', '{}', '{}', '{}', '{}', '{}')",
+                &[&me, &shards, &cursors, &uptos, &max_ids, &last_ids],
+            )
+            .unwrap();
+    };
+    // A history of 2,000 small transactions, published (their shards' cursors passed them).
+    client
+        .batch_execute(
+            "DO $$ BEGIN
+                 FOR t IN 1..2000 LOOP
+                     PERFORM outbox_enqueue('history', (t * 10 + i)::text, 'e', '{}') FROM generate_series(1, 10) i;
+                     COMMIT;
+                 END LOOP;
+             END $$",
+        )
+        .unwrap();
+    advance_all(&mut client, None);
+    // In the next window: a small transaction, then one of 20,000 events over 20,000 aggregates
+    // (1,250 or so a shard), then another small one.
+    client.batch_execute("SELECT outbox_enqueue('early', i::text, 'e', '{}') FROM generate_series(1, 100) i").unwrap();
+    client.batch_execute("SELECT outbox_enqueue('big', i::text, 'e', '{}') FROM generate_series(1, 20000) i").unwrap();
+    client.batch_execute("SELECT outbox_enqueue('late', i::text, 'e', '{}') FROM generate_series(1, 100) i").unwrap();
+    client.batch_execute("VACUUM ANALYZE outbox.events_0, outbox.events_1, outbox.events_2, outbox.ticks").unwrap();
+    // Each shard's window is published up to the middle of the large transaction.
+    let (max_ids, last_ids): (Vec<i64>, Vec<i64>) = (0..16i16)
+        .map(|shard| {
+            let row = client
+                .query_one(
+                    "SELECT max(id), percentile_disc(0.5) WITHIN GROUP (ORDER BY id)
+                       FROM outbox.events WHERE shard = $1 AND aggregate_type = 'big'",
+                    &[&shard],
+                )
+                .unwrap();
+            (row.get::<_, i64>(0), row.get::<_, i64>(1))
+        })
+        .unzip();
+    let upto: String = client.query_one("SELECT pg_current_snapshot()::text", &[]).unwrap().get(0);
+    advance_all(&mut client, Some((&upto, &max_ids, &last_ids)));
+    let expected_pending = count(
+        &mut client,
+        "SELECT count(*) FROM outbox.events e JOIN outbox.shards s USING (shard)
+          WHERE e.aggregate_type = 'late' OR (e.aggregate_type = 'big' AND e.id > s.window_last_id)",
+    );
+    assert!((9_900..=10_200).contains(&expected_pending), "{expected_pending}");
+
+    // Every status as a straightforward computation gives it.
+    let wrong = count(
+        &mut client,
+        "WITH largest AS (SELECT shard, txid, max(id) AS max_id FROM outbox.events GROUP BY shard, txid),
+              expected AS (
+                  SELECT e.id, CASE WHEN pg_visible_in_snapshot(e.txid, s.cursor)
+                                      OR (pg_visible_in_snapshot(e.txid, s.window_upto)
+                                          AND (l.max_id, e.id) <= (s.window_max_id, s.window_last_id))
+                                    THEN 'published' ELSE 'pending' END AS status
+                    FROM outbox.events e JOIN outbox.shards s USING (shard) JOIN largest l USING (shard, txid))
+         SELECT count(*) FROM expected x FULL JOIN outbox.messages m USING (id) WHERE m.status IS DISTINCT FROM x.status",
+    );
+    assert_eq!(wrong, 0, "events whose status differs from the straightforward computation");
+    assert_eq!(
+        count(&mut client, "SELECT count(*) FROM outbox.messages WHERE status <> 'published'"),
+        expected_pending
+    );
+
+    // The question of the issue reads each event a bounded number of times.
+    let rows = count(&mut client, "SELECT count(*) FROM outbox.messages");
+    assert_eq!(rows, 20_000 + 20_000 + 200);
+    let plan: serde_json::Value = client
+        .query_one(
+            "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) SELECT count(*) FROM outbox.messages WHERE status <> 'published'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let examined = rows_examined(&plan[0]["Plan"]);
+    assert!(
+        examined <= 20.0 * rows as f64,
+        "the count read {examined} rows for a view of {rows}:\n{}",
+        serde_json::to_string_pretty(&plan).unwrap()
+    );
+    // And so does the published_at of every event.
+    let plan: serde_json::Value = client
+        .query_one(
+            "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) SELECT max(published_at), count(*) FILTER (WHERE status = 'pending') FROM outbox.messages",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let examined = rows_examined(&plan[0]["Plan"]);
+    assert!(examined <= 20.0 * rows as f64, "published_at read {examined} rows for a view of {rows}");
+}
