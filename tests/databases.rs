@@ -83,25 +83,68 @@ fn every_database_with_the_extension_gets_its_own_relays_settings_and_stats() {
     redis.wait_for_entries("outbox:note", 1);
     wait_relays_in(&mut admin, "plain", 2);
 
-    // A changed database setting applies after a reload: the relays start again with it. Until
-    // each has, an event may still go to the old stream, so the test waits for every relay that
-    // connected before the change to be gone (one may be in the middle of a round at the reload).
-    admin.batch_execute("ALTER DATABASE plain SET outbox.stream = 'plain:{aggregate_type}'").unwrap();
-    let altered_at: std::time::SystemTime = admin.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0);
+    // A changed database setting applies after a reload: the relays start again with it. A relay
+    // reads its database's settings once connected (src/relay/settings.rs, adopt_own_settings), so
+    // one whose process started before the change may have read the new settings already, and
+    // rightly does not start again: neither backend_start nor any clock says from outside which
+    // settings a relay runs with (issue 35, item 11: relay 1, restarted by the launcher just as
+    // the change committed, connected before the time the test took after it and never again).
+    // So the change is made while pg_db_role_setting is locked: a relay registered then (in
+    // outbox.relays()) read the old settings and must start again; one that connects meanwhile
+    // waits for the lock and reads the new ones. Relay 1 is made to start again right then, the
+    // interleaving that was seen.
+    let mut fence = admin.transaction().unwrap();
+    fence.batch_execute("LOCK TABLE pg_catalog.pg_db_role_setting IN ACCESS EXCLUSIVE MODE").unwrap();
+    let relay_1: i32 = plain.query_one("SELECT pid FROM outbox.relays() WHERE slot = 1", &[]).unwrap().get(0);
+    plain.execute("SELECT pg_terminate_backend($1)", &[&relay_1]).unwrap();
+    wait_for(DEADLINE, "relay 1 of plain to start again and wait for the settings", || {
+        let waiting: bool = plain
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks l
+                                 WHERE l.relation = 'pg_catalog.pg_db_role_setting'::regclass AND NOT l.granted
+                                   AND l.pid NOT IN (SELECT r.pid FROM outbox.relays() r)
+                                   AND l.pid NOT IN (SELECT a.pid FROM pg_stat_activity a
+                                                      WHERE a.pid IS NOT NULL
+                                                        AND (a.backend_type <> 'outbox_pg relay' OR a.datname <> 'plain')))",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        waiting.then_some(())
+    });
+    let old_settings: Vec<i32> =
+        wait_for(DEADLINE, "every relay of plain to have read its settings or to wait for them", || {
+            let row = plain
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE NOT (registered OR waiting)),
+                            coalesce(array_agg(pid) FILTER (WHERE registered), '{}')
+                       FROM (SELECT a.pid, a.pid IN (SELECT r.pid FROM outbox.relays() r) AS registered,
+                                    EXISTS (SELECT 1 FROM pg_locks l
+                                             WHERE l.pid = a.pid AND NOT l.granted
+                                               AND l.relation = 'pg_catalog.pg_db_role_setting'::regclass) AS waiting
+                               FROM pg_stat_activity a
+                              WHERE a.backend_type = 'outbox_pg relay' AND a.datname = 'plain') relays",
+                    &[],
+                )
+                .unwrap();
+            (row.get::<_, i64>(0) == 0).then(|| row.get(1))
+        });
+    fence.batch_execute("ALTER DATABASE plain SET outbox.stream = 'plain:{aggregate_type}'").unwrap();
+    fence.commit().unwrap();
     admin.batch_execute("SELECT pg_reload_conf()").unwrap();
     wait_for(DEADLINE, "plain's relays to restart with the new setting", || {
         pg.log().contains("the settings of database \"plain\" changed").then_some(())
     });
-    wait_for(DEADLINE, "every relay of plain to have started after the change", || {
-        let (before, after): (i64, i64) = admin
+    wait_for(DEADLINE, "every relay of plain that read the old settings to have started again", || {
+        let (old, running): (i64, i64) = admin
             .query_one(
-                "SELECT count(*) FILTER (WHERE backend_start <= $1), count(*) FILTER (WHERE backend_start > $1)
+                "SELECT count(*) FILTER (WHERE pid = ANY ($1)), count(*)
                    FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay' AND datname = 'plain'",
-                &[&altered_at],
+                &[&old_settings],
             )
             .map(|row| (row.get(0), row.get(1)))
             .unwrap();
-        (before == 0 && after == 2).then_some(())
+        (old == 0 && running == 2).then_some(())
     });
     drop(plain);
     let mut plain = pg.connect_to("plain");
