@@ -482,6 +482,32 @@ COMMENT ON FUNCTION outbox._claim_shards(integer, integer, integer) IS
 
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
 
+CREATE OR REPLACE FUNCTION outbox._held_shards(relay_pid integer, cursors text[])
+RETURNS TABLE (shard smallint, cursor text, window_upto text, window_max_id bigint, window_last_id bigint,
+               now text, recorded text)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        SELECT s.shard, coalesce(cursors[s.shard + 1], s.cursor::text), s.window_upto::text,
+               s.window_max_id, s.window_last_id, pg_catalog.pg_current_snapshot()::text,
+               (SELECT p.snap::text FROM outbox.snapshots p
+                 WHERE p.taken_at < clock_timestamp() - interval '1 second'
+                   AND pg_catalog.pg_snapshot_xmax(p.snap)
+                       > pg_catalog.pg_snapshot_xmax(coalesce(cursors[s.shard + 1]::pg_snapshot, s.cursor))
+                 ORDER BY p.taken_at LIMIT 1)
+          FROM outbox.shards s WHERE s.claimed_by = relay_pid ORDER BY s.shard;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._held_shards(integer, text[]) IS
+    'Relay internal: what a round on a kept claim reads per shard it holds (cursor, window, now, the bound of a lagging shard)';
+
+REVOKE ALL ON FUNCTION outbox._held_shards(integer, text[]) FROM PUBLIC;
+
 -- src/sql/relay/failure_path.sql
 CREATE OR REPLACE FUNCTION outbox._held_aggregates(aggregate_types text[], aggregate_ids text[], shards smallint[])
 RETURNS SETOF bigint

@@ -7,15 +7,15 @@ use std::time::Duration;
 
 use pgrx::prelude::*;
 
+use crate::relay::losses::REPAIRS_RUNNING;
 use crate::relay::readiness::{readiness, Readiness};
+use crate::relay::replay::REPLAYS_RUNNING;
 use crate::relay::state::RoundState;
 use crate::relay::txn;
 
 const REAP: &str = "SELECT outbox._reap_shards($1)";
 const RECORD_SNAPSHOT: &str = "SELECT outbox._record_snapshot($1)";
 const RETENTION: &str = "SELECT outbox._retention($1 * interval '1 second')";
-const REPLAYS_RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running')";
-const REPAIRS_RUNNING: &str = crate::relay::losses::REPAIRS_RUNNING;
 const OLDEST_PENDING_AGE_MS: &str = "SELECT (extract(epoch FROM outbox.oldest_pending_age()) * 1000)::float8";
 
 /// What the relay's periodic housekeeping found.

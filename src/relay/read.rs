@@ -28,19 +28,11 @@ const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
 /// The argument types of CLAIM.
 const CLAIM_TYPES: [PgOid; 3] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID); 3];
 
-/// What a round on a kept claim reads instead of claiming, per shard this relay holds: its cursor
-/// (`$2`, indexed by shard + 1, overrides it: where a round in flight leaves it), the window it
-/// publishes in parts and the position reached, the snapshot of now (the statement's own,
-/// taken after the commit flags, like the claim's), and the claim's bound for a lagging shard:
-/// the first snapshot recorded over a second ago ahead of the cursor (src/sql/relay/claim.sql).
-pub(crate) const HELD: &str = "SELECT s.shard, coalesce($2[s.shard + 1], s.cursor::text), s.window_upto::text, \
-                           s.window_max_id, s.window_last_id, pg_catalog.pg_current_snapshot()::text, \
-                           (SELECT p.snap::text FROM outbox.snapshots p \
-                             WHERE p.taken_at < pg_catalog.clock_timestamp() - interval '1 second' \
-                               AND pg_catalog.pg_snapshot_xmax(p.snap) > pg_catalog.pg_snapshot_xmax( \
-                                       coalesce($2[s.shard + 1]::pg_catalog.pg_snapshot, s.cursor)) \
-                             ORDER BY p.taken_at LIMIT 1) \
-                      FROM outbox.shards s WHERE s.claimed_by = $1 ORDER BY s.shard";
+/// What a round on a kept claim reads instead of claiming, per shard this relay holds
+/// (src/sql/relay/claim.sql): `$2`, indexed by shard + 1, overrides a cursor with where a round in
+/// flight leaves it.
+pub(crate) const HELD: &str = "SELECT shard, cursor, window_upto, window_max_id, window_last_id, now, recorded \
+                                 FROM outbox._held_shards($1, $2)";
 
 /// The argument types of HELD: the relay's pid and the cursors a round in flight leaves.
 const HELD_TYPES: [PgOid; 2] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID), PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID)];

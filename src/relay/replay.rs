@@ -65,7 +65,8 @@ const SELECT: &str = "SELECT event_id::text, aggregate_type, event_type, stream,
 const EVENTS: &str = "SELECT event_id::text, id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
                       created_at, matches \
                       FROM outbox._replay_events($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5::uuid[])";
-const RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running')";
+/// Whether any replay runs (or waits for its throttle); housekeeping asks it too.
+pub const REPLAYS_RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running')";
 /// The losses a finished replay was to repair and did not: it replayed nothing.
 const UNREPAIRED: &str =
     "SELECT l.id, l.stream FROM outbox.redis_losses l JOIN outbox.replay_requests r ON r.id = l.replay_id \
@@ -268,7 +269,7 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
         let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
         Spi::connect_mut(|client| {
             let Some(row) = client.update(CLAIM, Some(1), &[settings.pid.into(), lease_ms.into()])?.next() else {
-                let running = client.select(RUNNING, None, &[])?.first().get_one::<bool>()?.unwrap_or(false);
+                let running = client.select(REPLAYS_RUNNING, None, &[])?.first().get_one::<bool>()?.unwrap_or(false);
                 return Ok(if running { Walk::NoneClaimable } else { Walk::NoneRunning });
             };
             let replay = Claimed {

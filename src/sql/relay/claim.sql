@@ -90,3 +90,51 @@ COMMENT ON FUNCTION outbox._claim_shards(integer, integer, integer) IS
     'Relay internal: takes and keeps this relay''s share of the shards (SKIP LOCKED, lease) and returns what each reads up to this round';
 
 REVOKE ALL ON FUNCTION outbox._claim_shards(integer, integer, integer) FROM PUBLIC;
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._held_shards(relay_pid, cursors)
+--
+--     What a round on a kept claim reads instead of claiming (nothing changes hands, the lease is
+--     fresh), per shard this relay holds: its cursor, the window it publishes in parts and the
+--     position reached, the snapshot of now (taken here, after the commit flags, like the claim's),
+--     and the claim's bound for a lagging shard: the first snapshot recorded over a second ago
+--     ahead of the cursor. Writes nothing.
+--
+-- Parameters:
+--     relay_pid   the calling relay's process id (claimed_by)
+--     cursors     per shard (indexed by shard + 1), where a round in flight leaves its cursor, or
+--                 NULL: the stored cursor then
+-- Returns, one row per shard it holds, in shard order:
+--     shard, cursor                the shard and its cursor (pg_snapshot as text)
+--     window_upto                  the end of a window published in parts, or NULL
+--     window_max_id, window_last_id  the position reached in it
+--     now                          pg_current_snapshot()
+--     recorded                     the first recorded snapshot over a second old ahead of the cursor
+-- Reads:   outbox.shards, outbox.snapshots
+-- Called by: the relay's round on a kept claim (src/relay/read.rs)
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._held_shards(relay_pid integer, cursors text[])
+RETURNS TABLE (shard smallint, cursor text, window_upto text, window_max_id bigint, window_last_id bigint,
+               now text, recorded text)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $fn$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+        SELECT s.shard, coalesce(cursors[s.shard + 1], s.cursor::text), s.window_upto::text,
+               s.window_max_id, s.window_last_id, pg_catalog.pg_current_snapshot()::text,
+               (SELECT p.snap::text FROM outbox.snapshots p
+                 WHERE p.taken_at < clock_timestamp() - interval '1 second'
+                   AND pg_catalog.pg_snapshot_xmax(p.snap)
+                       > pg_catalog.pg_snapshot_xmax(coalesce(cursors[s.shard + 1]::pg_snapshot, s.cursor))
+                 ORDER BY p.taken_at LIMIT 1)
+          FROM outbox.shards s WHERE s.claimed_by = relay_pid ORDER BY s.shard;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._held_shards(integer, text[]) IS
+    'Relay internal: what a round on a kept claim reads per shard it holds (cursor, window, now, the bound of a lagging shard)';
+
+REVOKE ALL ON FUNCTION outbox._held_shards(integer, text[]) FROM PUBLIC;
