@@ -8,6 +8,10 @@
 //! Redis accepted a round and before the round is finished, as a crash would, once per arming
 //! (setting it to `none` and reloading arms it again). The launcher starts a new relay, which reads
 //! the same events and publishes them again: the duplicates the at-least-once promise allows.
+//!
+//! `out_of_memory_after_publish`: at the same point, the relay asks its Rust heap for 1 GiB
+//! (tests/losses.rs runs it under an address-space limit): what the library does when an
+//! allocation fails (src/allocator.rs).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -23,6 +27,9 @@ pub enum Fault {
     /// Exit right after a successful XADD, before the round is finished (once per arming).
     #[name = c"crash_after_publish"]
     CrashAfterPublish,
+    /// At the same point, allocate 1 GiB in the Rust heap (once per arming).
+    #[name = c"out_of_memory_after_publish"]
+    OutOfMemoryAfterPublish,
 }
 
 /// `outbox.fault_injection` (default `none`, reload, superuser only).
@@ -36,7 +43,7 @@ static FIRED: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"outbox_pg_fault_fi
 pub fn define_setting() {
     GucRegistry::define_enum_guc(
         c"outbox.fault_injection",
-        c"Failure the relay injects, for tests and demos: none or crash_after_publish.",
+        c"Failure the relay injects, for tests and demos: none, crash_after_publish or out_of_memory_after_publish.",
         c"crash_after_publish makes a relay exit once, right after Redis accepted a round and before it is finished.",
         &FAULT,
         GucContext::Sighup,
@@ -58,10 +65,21 @@ pub fn reloaded() {
 
 /// Right after Redis accepted `published` events of a round, before the round is finished.
 pub fn after_publish(published: usize) {
-    if FAULT.get() != Fault::CrashAfterPublish || published == 0 || FIRED.get().swap(true, Ordering::SeqCst) {
+    let fault = FAULT.get();
+    if fault == Fault::None || published == 0 || FIRED.get().swap(true, Ordering::SeqCst) {
         return;
     }
-    log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before finishing the round");
-    // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
-    unsafe { pg_sys::proc_exit(1) };
+    match fault {
+        Fault::None => {}
+        Fault::CrashAfterPublish => {
+            log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before finishing the round");
+            // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
+            unsafe { pg_sys::proc_exit(1) };
+        }
+        Fault::OutOfMemoryAfterPublish => {
+            log!("outbox_pg: outbox.fault_injection = out_of_memory_after_publish: allocating 1 GiB after publishing {published} events");
+            let huge: Vec<u8> = Vec::with_capacity(1 << 30);
+            std::hint::black_box(&huge);
+        }
+    }
 }

@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use pgrx::prelude::*;
 
+#[cfg(not(test))]
+mod allocator;
 mod api;
 mod enqueue;
 mod event;
@@ -40,6 +42,12 @@ pub use sink::entry::{render_stream_template, OutboxEvent};
 compile_error!("outbox_pg supports PostgreSQL 15, 16, 17 and 18; PostgreSQL 13 and 14 are not supported");
 
 ::pgrx::pg_module_magic!();
+
+/// Rust's allocations fail with FATAL (exit code 1), not an abort that restarts the cluster
+/// (src/allocator.rs).
+#[cfg(not(test))]
+#[global_allocator]
+static ALLOCATOR: allocator::ExitOnFailure = allocator::ExitOnFailure;
 
 // The install script, one file per concern, listed in the order an event goes. The data first
 // (bootstrap); every other file needs only the tables, since its PL/pgSQL is checked when it runs

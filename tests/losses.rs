@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{enqueue_to, wait_for, Env, DEADLINE};
+use outbox_testkit::{as_server_user, rss_kb, PeakMemory};
 
 fn losses(client: &mut postgres::Client, stream: &str) -> i64 {
     client.query_one("SELECT count(*) FROM outbox.redis_losses WHERE stream = $1", &[&stream]).unwrap().get(0)
@@ -18,6 +19,27 @@ fn xlen(env: &Env, db: i64, stream: &str) -> i64 {
     let mut connection = env.redis.connection();
     redis::cmd("SELECT").arg(db).query::<()>(&mut connection).unwrap();
     redis::cmd("XLEN").arg(stream).query(&mut connection).unwrap()
+}
+
+/// The `VmSize` of process `pid`, in kB.
+fn vm_size_kb(pid: i32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix("VmSize:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Limits process `pid`'s address space to `kb` (`prlimit --as`, as the server's OS user: root
+/// without CAP_SYS_RESOURCE may not change another user's process).
+fn limit_address_space(pid: i32, kb: u64) {
+    let bytes = (kb * 1024).to_string();
+    let status = as_server_user(std::path::Path::new("prlimit"))
+        .args(["--pid", &pid.to_string(), &format!("--as={bytes}:{bytes}")])
+        .status()
+        .expect("prlimit");
+    assert!(status.success(), "prlimit --pid {pid} --as={bytes}");
 }
 
 /// The relay's connections are closed: its next write checks every mark first.
@@ -193,4 +215,85 @@ fn no_relay_runs_live_rounds_while_a_loss_repair_runs() {
     assert_eq!(live, 0, "a live round ran while the repair ran ({state}, {replayed} replayed)");
     client.execute("SELECT outbox.cancel_replay(max(id)) FROM outbox.replays", &[]).unwrap();
     env.redis.wait_for_entries("outbox:live", 8);
+}
+
+/// Issue 35, item 1: a writer's 1 MB events to 150 streams of their own, then a new connection.
+/// The check asked `XINFO STREAM` of every stream in one pipeline, whose replies carry each
+/// stream's first and last entries whole: 300 MB held at once, and under a memory limit an abort
+/// that restarted every backend of the cluster. The check now gets IDs and counters only, a
+/// chunk at a time: with the relay's address space limited to 128 MB above what it maps, it
+/// stays the same process, grows by far less, finds the stream deleted meanwhile, and delivers.
+#[test]
+fn the_loss_check_holds_ids_not_entries_under_a_memory_limit() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    client.batch_execute("CREATE ROLE writer LOGIN; GRANT outbox_writer TO writer").unwrap();
+    let mut writer = env.pg.connect();
+    writer.batch_execute("SET ROLE writer").unwrap();
+    let streams = 150;
+    writer
+        .batch_execute(&format!(
+            "SELECT count(outbox_enqueue('big', g::bigint, 'e', to_jsonb(repeat('x', 1000000)), NULL, 'tenant:' || g)) \
+             FROM generate_series(1, {streams}) g"
+        ))
+        .unwrap();
+    wait_for(Duration::from_secs(120), "every big event in Redis", || {
+        (env.redis.total_entries() >= streams).then_some(())
+    });
+    let _: i64 = env.redis.query(redis::cmd("DEL").arg("tenant:7"));
+    let mut bystander = env.pg.connect();
+    let relay = env.pg.relay_pid(&mut client);
+    limit_address_space(relay, vm_size_kb(relay) + 128 * 1024);
+    let at_rest = rss_kb(relay);
+    let memory = PeakMemory::watch(relay);
+
+    kill_relay_connections(&env);
+    enqueue_to(&mut client, "probe", "1", None);
+    wait_for(DEADLINE, "the loss of tenant:7 to be recorded", || (losses(&mut client, "tenant:7") == 1).then_some(()));
+    env.redis.wait_for_entries("outbox:probe", 1);
+    let peak = memory.peak_kb();
+    drop(memory);
+
+    assert_eq!(env.pg.relay_pid(&mut client), relay, "the relay ran on: {}", env.pg.log());
+    bystander.query_one("SELECT 1", &[]).expect("no backend was restarted");
+    assert!(
+        peak.saturating_sub(at_rest) < 64 * 1024,
+        "the relay grew from {at_rest} kB to {peak} kB checking {streams} streams of 1 MB entries"
+    );
+    for g in [1, 8, streams] {
+        assert_eq!(losses(&mut client, &format!("tenant:{g}")), 0, "tenant:{g} lost nothing");
+    }
+}
+
+/// Issue 35, item 1: an allocation the relay's Rust heap cannot satisfy (here 1 GiB, under an
+/// address-space limit 64 MB above what the relay maps) ends that relay with FATAL, exit code 1,
+/// which the postmaster restarts alone. Rust's default, abort(), is a signal: the postmaster
+/// restarted every backend of the cluster, and a relay that ran out again after the restart made
+/// that a loop.
+#[test]
+fn an_allocation_failure_ends_the_relay_alone() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    enqueue_to(&mut client, "alpha", "1", None);
+    env.redis.wait_for_entries("outbox:alpha", 1);
+    let mut bystander = env.pg.connect();
+    let relay = env.pg.relay_pid(&mut client);
+    limit_address_space(relay, vm_size_kb(relay) + 64 * 1024);
+    env.pg.set(&mut client, &[("outbox.fault_injection", "out_of_memory_after_publish")]);
+    wait_for(DEADLINE, "the relay to read the setting", || {
+        client
+            .query_one("SELECT current_setting('outbox.fault_injection')", &[])
+            .ok()
+            .filter(|row| row.get::<_, String>(0) == "out_of_memory_after_publish")
+    });
+    enqueue_to(&mut client, "alpha", "2", None);
+    wait_for(DEADLINE, "the relay to end", || {
+        (!std::path::Path::new(&format!("/proc/{relay}")).exists()).then_some(())
+    });
+    // The round was not finished: the relay started again publishes it again.
+    env.redis.wait_for_entries("outbox:alpha", 3);
+    let log = env.pg.log();
+    assert!(!log.contains("terminating any other active server processes"), "{log}");
+    bystander.query_one("SELECT 1", &[]).expect("no backend was restarted");
+    assert!(log.contains("FATAL:  outbox_pg: out of memory: an allocation of 1073741824 bytes failed"), "{log}");
 }

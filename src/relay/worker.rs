@@ -357,6 +357,9 @@ impl Relay {
         }
         let mut timings = RoundTimings::default();
         let outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
+        // A loss check's pass goes on a chunk at a time while there is nothing to publish
+        // (src/sink/marks.rs); while streams are left, the relay comes back at once.
+        let checking = matches!(outcome, TickOutcome::Idle) && self.sink.check_between_rounds();
         // Only where the extension is ready at this library's version (the marks' table is
         // 0.3.0's): after a round that could run.
         if matches!(outcome, TickOutcome::Worked { .. } | TickOutcome::Idle | TickOutcome::SteppedOver) {
@@ -416,6 +419,7 @@ impl Relay {
                     || self.replayed_at.elapsed() >= REPLAY_EVERY
             };
         let next = self.live_outcome(outcome, &settings, poll, until_housekeeping);
+        let next = if checking { Some(Duration::ZERO) } else { next };
         if replay_now && next.is_none_or(|wait| !wait.is_zero()) && self.retry_at.is_none() {
             return self.replay(&settings).or(next);
         }

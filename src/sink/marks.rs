@@ -1,7 +1,9 @@
 //! Noticing that Redis lost entries it had acknowledged. For each stream it writes to, the relay
 //! remembers the last entry ID Redis returned (a *mark*); after it connects anew (a restart, a
 //! failover, a broken connection) and every `CHECK_EVERY` otherwise, it asks Redis about each
-//! stream (`XINFO STREAM`). A stream lost entries when it is gone, when its last generated ID is
+//! stream (`XINFO STREAM`, through a script that returns its IDs and counters only: `SCRIPT`), a
+//! *pass* done in chunks between rounds, each stream before the relay writes to it again
+//! (`Marks::streams_to_check`). A stream lost entries when it is gone, when its last generated ID is
 //! below the mark (a restart without persistence, an AOF that had not synced, a failover to a
 //! replica that lacked them), or when it was deleted and written to again since (a `DEL` or
 //! `FLUSHALL` while the relay keeps writing): see `lost`. Trimming (`MAXLEN`, `XTRIM`) and `XDEL`
@@ -20,6 +22,33 @@ pub const CHECK_EVERY: Duration = Duration::from_secs(30);
 /// events name their own; beyond this the streams written to least recently are forgotten, a
 /// quarter at a time.
 pub const MAX_STREAMS: usize = 4096;
+/// The most streams checked per round beyond those the round writes to (which are checked first),
+/// and per exchange with Redis: a pass over `MAX_STREAMS` streams takes 64 rounds, or as many
+/// turns of an idle relay, and delays none by more than one such exchange.
+pub const CHECK_CHUNK: usize = 64;
+
+/// What the check asks Redis per stream: `XINFO STREAM` run by Redis itself, of which only the IDs
+/// and counters come back, never the first and last entries that `XINFO STREAM` returns whole (a
+/// writer's 1 MB events made a check of 700 streams hold 1.4 GB at once). An error comes back as
+/// the pair `error`, message. `EVAL` is all the relay needs beyond `xinfo|stream`; where it is
+/// refused, the check asks `XINFO STREAM` itself, one stream per exchange (`Query::Xinfo`).
+const SCRIPT: &str = "local replies = {}
+for i, key in ipairs(KEYS) do
+  local info = redis.pcall('XINFO', 'STREAM', key)
+  local kept = {}
+  if type(info) == 'table' and info.err then
+    kept = {'error', info.err}
+  else
+    for j = 1, #info, 2 do
+      if info[j] ~= 'first-entry' and info[j] ~= 'last-entry' then
+        kept[#kept + 1] = info[j]
+        kept[#kept + 1] = info[j + 1]
+      end
+    end
+  end
+  replies[i] = kept
+end
+return replies";
 
 /// The last entry the relay wrote to a stream, and when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,8 +136,11 @@ pub struct Marks {
     /// Marks set or moved since `take_dirty` last ran (the relay stores them now and then, so that
     /// a relay started anew still knows them).
     dirty: Vec<String>,
-    /// When Redis was last checked; None: check at the next opportunity (a new connection).
+    /// When the last complete pass began; None: begin one at the next opportunity (a new
+    /// connection).
     checked: Option<Instant>,
+    /// The pass under way: when it began, and the streams it has yet to check (sorted).
+    pass: Option<(Instant, Vec<String>)>,
     /// Streams forgotten to stay within `MAX_STREAMS`, since the relay started.
     pub forgotten: u64,
 }
@@ -139,6 +171,8 @@ impl Marks {
     /// Adopts marks stored earlier (by this relay's predecessors, or another relay of the
     /// database), keeping the later of each.
     pub fn adopt(&mut self, stored: impl IntoIterator<Item = (String, Mark)>) {
+        // Checked before anything is written to them, like marks after a new connection.
+        self.reconnected();
         for (stream, mark) in stored {
             match self.marks.get_mut(&stream) {
                 Some(known) if known.mark.id >= mark.id => {}
@@ -184,14 +218,46 @@ impl Marks {
         dirty.into_iter().filter_map(|stream| self.marks.get(&stream).map(|known| (stream, known.mark))).collect()
     }
 
-    /// A new connection: check at the next opportunity.
+    /// A new connection: a new pass at the next opportunity (the one under way, if any, is
+    /// abandoned: what it checked may predate the connection).
     pub fn reconnected(&mut self) {
         self.checked = None;
+        self.pass = None;
     }
 
-    /// Whether a check is due.
+    /// Whether a pass is due or under way.
     pub fn check_due(&self) -> bool {
-        !self.marks.is_empty() && self.checked.is_none_or(|at| at.elapsed() >= CHECK_EVERY)
+        !self.marks.is_empty() && (self.pass.is_some() || self.checked.is_none_or(|at| at.elapsed() >= CHECK_EVERY))
+    }
+
+    /// The streams to check now, begun a pass if one is due: those of the pass's that are in
+    /// `writing` (a stream must be checked before it is written to again: written to first, a
+    /// stream Redis lost whole would exist again with a later ID and hide the loss), then up to
+    /// `more` others. The pass ends once every stream has been handed out.
+    pub fn streams_to_check<'a>(&mut self, writing: impl IntoIterator<Item = &'a str>, more: usize) -> Vec<String> {
+        if self.pass.is_none() {
+            if !self.check_due() {
+                return Vec::new();
+            }
+            self.pass = Some((Instant::now(), self.streams()));
+        }
+        let Some((began, pending)) = self.pass.as_mut() else { return Vec::new() };
+        let writing: std::collections::HashSet<&str> = writing.into_iter().collect();
+        let (mut now, rest): (Vec<String>, Vec<String>) =
+            std::mem::take(pending).into_iter().partition(|stream| writing.contains(stream.as_str()));
+        *pending = rest;
+        let more = more.min(pending.len());
+        now.extend(pending.drain(..more));
+        if pending.is_empty() {
+            self.checked = Some(*began);
+            self.pass = None;
+        }
+        now
+    }
+
+    /// Whether a pass is under way (streams are left to check).
+    pub fn checking(&self) -> bool {
+        self.pass.is_some()
     }
 
     /// The streams to check, in a stable order.
@@ -205,7 +271,6 @@ impl Marks {
     /// returns the losses (`lost`). A stream Redis lost is forgotten, so that a loss is reported
     /// once; writing to it again sets a new mark.
     pub fn compare(&mut self, found: Vec<(String, Option<Found>)>) -> Vec<Loss> {
-        self.checked = Some(Instant::now());
         let mut losses = Vec::new();
         for (stream, now) in found {
             let Some(known) = self.marks.get_mut(&stream) else { continue };
@@ -229,31 +294,87 @@ impl Marks {
     }
 }
 
+/// How the check asks Redis about a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Query {
+    /// `SCRIPT` (`EVAL`), one per stream (a Cluster's streams are in different slots),
+    /// pipelined: a few hundred bytes per stream come back, whatever its entries hold.
+    #[default]
+    Script,
+    /// `XINFO STREAM` itself, where `EVAL` is refused: one stream per exchange, so that at most one
+    /// stream's first and last entries are held at once.
+    Xinfo,
+}
+
 /// Why the last generated IDs could not be read.
 pub enum LastIdError {
     /// Redis refused the command itself (an ACL without `xinfo|stream`): checks are off.
     Refused(String),
+    /// Redis refused `EVAL` or the script (an ACL without it, scripting off): ask with
+    /// `Query::Xinfo`.
+    NoScript(String),
     /// Redis failed as a whole.
     Failed(BrokerError),
 }
 
 /// Each stream's last generated ID and entries added (`XINFO STREAM`), None for a stream that does
-/// not exist, in one pipeline.
+/// not exist: one pipeline of `SCRIPT`s, or one `XINFO STREAM` per exchange (`Query`). The
+/// caller bounds how many streams one call asks about (`CHECK_CHUNK`).
 pub fn last_generated_ids(
     connection: &mut redis::Connection,
     streams: &[String],
+    query: Query,
 ) -> Result<Vec<(String, Option<Found>)>, LastIdError> {
-    let mut pipe = redis::pipe();
-    for stream in streams {
-        pipe.cmd("XINFO").arg("STREAM").arg(stream);
-    }
-    // Per-stream errors (no such key) come back as values, not as a failure of the whole pipeline.
-    let replies: Vec<redis::Value> = pipe
-        .ignore_errors()
-        .query(connection)
-        .map_err(|e| LastIdError::Failed(BrokerError(super::node::describe_error(&e))))?;
+    let failed = |e: redis::RedisError| LastIdError::Failed(BrokerError(super::node::describe_error(&e)));
+    let replies: Vec<redis::Value> = match query {
+        Query::Script => {
+            let mut pipe = redis::pipe();
+            for stream in streams {
+                pipe.cmd("EVAL").arg(SCRIPT).arg(1).arg(stream);
+            }
+            // Per-stream errors come back as values, not as a failure of the whole pipeline.
+            pipe.ignore_errors().query(connection).map_err(failed)?
+        }
+        Query::Xinfo => {
+            let mut replies = Vec::with_capacity(streams.len());
+            for stream in streams {
+                let mut pipe = redis::pipe();
+                pipe.cmd("XINFO").arg("STREAM").arg(stream);
+                let mut reply: Vec<redis::Value> = pipe.ignore_errors().query(connection).map_err(failed)?;
+                replies.push(reply.pop().unwrap_or(redis::Value::Nil));
+            }
+            replies
+        }
+    };
     let mut found = Vec::with_capacity(streams.len());
     for (stream, reply) in streams.iter().zip(replies) {
+        let reply = match (query, reply) {
+            // The script's reply: one list per key, or the pair `error`, message.
+            (Query::Script, redis::Value::Array(mut per_key)) if per_key.len() == 1 => {
+                let reply = per_key.pop().unwrap_or(redis::Value::Nil);
+                match field_of(&reply, "error") {
+                    Some(redis::Value::BulkString(message)) => {
+                        let message = String::from_utf8_lossy(message);
+                        if message.contains("no such key") {
+                            found.push((stream.clone(), None));
+                            continue;
+                        }
+                        if message.starts_with("WRONGTYPE") {
+                            continue;
+                        }
+                        // The script may not run XINFO (an ACL), or anything else: ask directly.
+                        return Err(LastIdError::NoScript(message.into_owned()));
+                    }
+                    _ => reply,
+                }
+            }
+            (Query::Script, redis::Value::ServerError(error))
+                if error.code() == "NOPERM" || error.code() == "ERR" || error.code() == "NOSCRIPT" =>
+            {
+                return Err(LastIdError::NoScript(error.to_string()))
+            }
+            (_, reply) => reply,
+        };
         let id = match reply {
             redis::Value::ServerError(error) if error.details().unwrap_or_default().contains("no such key") => None,
             redis::Value::ServerError(error) if error.code() == "NOPERM" => {
@@ -335,6 +456,7 @@ mod tests {
             marks.wrote(stream, id(ms, 3));
         }
         assert!(marks.check_due());
+        assert_eq!(marks.streams_to_check([], MAX_STREAMS).len(), 4, "the whole pass");
         let at = |last_id| Some(Found { last_id, ..Found::default() });
         let losses = marks.compare(vec![
             ("kept".into(), at(id(10, 3))),
@@ -348,6 +470,26 @@ mod tests {
         assert!(marks.compare(vec![("gone".into(), None)]).is_empty(), "reported once");
         marks.reconnected();
         assert!(marks.check_due());
+    }
+
+    #[test]
+    fn a_pass_checks_the_streams_written_to_first_then_a_chunk_a_round() {
+        let mut marks = Marks::default();
+        for n in 0..10 {
+            marks.wrote(&format!("s{n}"), id(10, n));
+        }
+        assert_eq!(marks.streams_to_check(["s7", "new"], 2), ["s7", "s0", "s1"]);
+        assert!(marks.checking());
+        // A stream of the pass written to later is checked before that write, whatever the chunk.
+        assert_eq!(marks.streams_to_check(["s9"], 0), ["s9"]);
+        assert_eq!(marks.streams_to_check([], 3), ["s2", "s3", "s4"]);
+        assert_eq!(marks.streams_to_check(["s3"], 1), ["s5"], "s3 was checked in this pass");
+        // A new connection begins the pass again.
+        marks.reconnected();
+        assert_eq!(marks.streams_to_check([], 1), ["s0"]);
+        assert_eq!(marks.streams_to_check([], 100).len(), 9);
+        assert!(!marks.checking() && !marks.check_due(), "the pass is done");
+        assert!(marks.streams_to_check(["s1"], 100).is_empty());
     }
 
     #[test]

@@ -23,7 +23,7 @@ use redis::ConnectionInfo;
 pub use super::address::redact_url;
 use super::address::{at_node, describe_target, node_infos};
 use super::cluster::{key_slot, NodeAddr, SlotMap};
-use super::marks::{last_generated_ids, LastIdError, Loss, Mark, Marks};
+use super::marks::{last_generated_ids, LastIdError, Loss, Mark, Marks, Query, CHECK_CHUNK};
 use super::node::{self, BlockReply, Pipeline, Redirect};
 use super::sentinel;
 pub use super::{BrokerError, EntryOutcome, RedisConfig, RedisMode, TlsFiles};
@@ -57,6 +57,8 @@ pub struct RedisSink {
     losses: Vec<Loss>,
     /// Redis refused `XINFO STREAM` (an ACL without it): losses cannot be noticed. Reported once.
     pub check_refused: Option<String>,
+    /// How the checks ask Redis (`Query::Xinfo` once `EVAL` was refused).
+    check_query: Query,
 }
 
 impl Default for RedisSink {
@@ -76,6 +78,7 @@ impl RedisSink {
             marks: Marks::default(),
             losses: Vec::new(),
             check_refused: None,
+            check_query: Query::default(),
         }
     }
 
@@ -93,6 +96,7 @@ impl RedisSink {
                 self.losses.clear();
             }
             self.disconnect();
+            self.check_query = Query::default();
             self.config = Some(config);
         }
     }
@@ -266,7 +270,7 @@ impl RedisSink {
         let _quiet = node::SignalsDeferred::new();
         // Connect first: that is where the size limit below is learnt.
         self.connect_any()?;
-        self.check_marks()?;
+        self.check_marks(&stream_keys(events, entries))?;
         let (mut outcomes, sendable) = refuse_oversized(events, self.max_argument.unwrap_or(DEFAULT_MAX_ARGUMENT));
         // With the limit unknown, an event that may be over it is sent in an exchange of its own,
         // so that if Redis closes the connection on it, the failure points at that event.
@@ -490,48 +494,66 @@ impl RedisSink {
         self.marks.adopt(stored);
     }
 
-    /// When a check of the marks is due (a new connection, or `CHECK_EVERY` since the last), asks
-    /// Redis for each marked stream's last generated ID and keeps the losses found. Runs before
-    /// anything is written on a new connection: a write to a stream Redis lost would create it
-    /// again with a later ID and hide the loss. `Err` only when Redis fails as a whole.
-    fn check_marks(&mut self) -> Result<(), BrokerError> {
+    /// While a pass over the marks is under way (src/sink/marks.rs), checks its next chunk of
+    /// streams on the connection already open (a new one begins the pass again); whether streams
+    /// are left. For the turns of a relay with nothing to publish. A failure drops the connection
+    /// (the next round connects anew, and checks again).
+    pub fn check_between_rounds(&mut self) -> bool {
+        if !self.marks.checking() || !self.is_connected() {
+            return false;
+        }
+        let _quiet = node::SignalsDeferred::new();
+        self.check_marks(&[]).is_ok() && self.marks.checking()
+    }
+
+    /// When a check of the marks is due (a new connection, or `CHECK_EVERY` since the last pass),
+    /// asks Redis about the streams of the pass that `writing` (the keys the caller is about to
+    /// write to) names, and `CHECK_CHUNK` more, `CHECK_CHUNK` per exchange, and keeps the losses
+    /// found. Runs before anything is written: a write to a stream Redis lost would create it
+    /// again with a later ID and hide the loss. The rest of the pass waits for the next rounds, so
+    /// that a pass over thousands of streams delays no round by more than a chunk's exchange
+    /// (beyond the streams the round itself writes to). `Err` only when Redis fails as a whole.
+    fn check_marks(&mut self, writing: &[String]) -> Result<(), BrokerError> {
         if !self.marks.check_due() || self.check_refused.is_some() {
             return Ok(());
         }
-        let streams = self.marks.streams();
+        let streams = self.marks.streams_to_check(writing.iter().map(String::as_str), CHECK_CHUNK);
         let mode = self.config()?.mode;
         let mut found = Vec::with_capacity(streams.len());
-        if mode == RedisMode::Cluster {
-            for stream in &streams {
-                let slot = key_slot(stream.as_bytes());
+        let mut chunks = streams.chunks(CHECK_CHUNK);
+        let mut chunk = chunks.next();
+        while let Some(streams) = chunk {
+            let query = self.check_query;
+            let (asked, node) = if mode == RedisMode::Cluster {
+                // One stream at a time, at its master.
+                let stream = &streams[..1];
+                let slot = key_slot(stream[0].as_bytes());
                 let master = self.slots.as_ref().and_then(|map| map.master_of(slot)).cloned();
                 let Some(master) = master else { return Ok(()) };
-                let connection = self.node(&master)?;
-                match last_generated_ids(connection, std::slice::from_ref(stream)) {
-                    Ok(mut ids) => found.append(&mut ids),
-                    Err(LastIdError::Refused(error)) => {
-                        self.check_refused = Some(error);
-                        return Ok(());
-                    }
-                    Err(LastIdError::Failed(error)) => {
-                        self.lost_node(&master);
-                        return Err(error);
-                    }
+                (last_generated_ids(self.node(&master)?, stream, query), Some(master))
+            } else {
+                (last_generated_ids(self.single()?, streams, query), None)
+            };
+            match asked {
+                Ok(mut ids) => found.append(&mut ids),
+                Err(LastIdError::NoScript(_)) if query == Query::Script => {
+                    // Ask XINFO STREAM itself from now on; the same chunk again.
+                    self.check_query = Query::Xinfo;
+                    continue;
                 }
-            }
-        } else {
-            let connection = self.single()?;
-            match last_generated_ids(connection, &streams) {
-                Ok(ids) => found = ids,
-                Err(LastIdError::Refused(error)) => {
+                Err(LastIdError::Refused(error) | LastIdError::NoScript(error)) => {
                     self.check_refused = Some(error);
                     return Ok(());
                 }
                 Err(LastIdError::Failed(error)) => {
-                    self.single = None;
+                    match node {
+                        Some(master) => self.lost_node(&master),
+                        None => self.single = None,
+                    }
                     return Err(error);
                 }
             }
+            chunk = if mode == RedisMode::Cluster && streams.len() > 1 { Some(&streams[1..]) } else { chunks.next() };
         }
         let losses = self.marks.compare(found);
         let lost = losses.len();
@@ -583,7 +605,7 @@ impl RedisSink {
         }
         let _quiet = node::SignalsDeferred::new();
         self.connect_any()?;
-        self.check_marks()?;
+        self.check_marks(&stream_keys(events, entries))?;
         let Some(max_argument) = self.max_argument else { return Ok(Sent(None)) };
         let (outcomes, sendable) = refuse_oversized(events, max_argument);
         let config = self.config()?;
@@ -741,6 +763,11 @@ impl<'a> Xadd<'a> {
             pipeline.arg(value.as_bytes());
         });
     }
+}
+
+/// The streams `events` go to (a loss check looks at those first).
+fn stream_keys(events: &[OutboxEvent], entries: &EntrySettings) -> Vec<String> {
+    events.iter().map(|event| event.stream_key(&entries.stream_template)).collect()
 }
 
 fn aggregate_of(event: &OutboxEvent) -> (&str, &str) {
