@@ -9,6 +9,10 @@
 //! (setting it to `none` and reloading arms it again). The launcher starts a new relay, which reads
 //! the same events and publishes them again: the duplicates the at-least-once promise allows.
 //!
+//! `crash_after_finish`: a relay dies (SIGKILL, as `kill -9`: PostgreSQL restarts every backend)
+//! right after a round's finish committed and its WAL was flushed, once per arming: what a host
+//! losing PostgreSQL just after a finish leaves (tests/losses.rs).
+//!
 //! `out_of_memory_after_publish`: at the same point, the relay asks its Rust heap for 1 GiB
 //! (tests/losses.rs runs it under an address-space limit): what the library does when an
 //! allocation fails (src/allocator.rs).
@@ -27,6 +31,9 @@ pub enum Fault {
     /// Exit right after a successful XADD, before the round is finished (once per arming).
     #[name = c"crash_after_publish"]
     CrashAfterPublish,
+    /// Die (SIGKILL) right after a round's finish is committed and flushed (once per arming).
+    #[name = c"crash_after_finish"]
+    CrashAfterFinish,
     /// At the same point, allocate 1 GiB in the Rust heap (once per arming).
     #[name = c"out_of_memory_after_publish"]
     OutOfMemoryAfterPublish,
@@ -43,7 +50,7 @@ static FIRED: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"outbox_pg_fault_fi
 pub fn define_setting() {
     GucRegistry::define_enum_guc(
         c"outbox.fault_injection",
-        c"Failure the relay injects, for tests and demos: none, crash_after_publish or out_of_memory_after_publish.",
+        c"Failure the relay injects, for tests and demos: none, crash_after_publish, crash_after_finish or out_of_memory_after_publish.",
         c"crash_after_publish makes a relay exit once, right after Redis accepted a round and before it is finished.",
         &FAULT,
         GucContext::Sighup,
@@ -66,11 +73,12 @@ pub fn reloaded() {
 /// Right after Redis accepted `published` events of a round, before the round is finished.
 pub fn after_publish(published: usize) {
     let fault = FAULT.get();
-    if fault == Fault::None || published == 0 || FIRED.get().swap(true, Ordering::SeqCst) {
+    let here = matches!(fault, Fault::CrashAfterPublish | Fault::OutOfMemoryAfterPublish);
+    if !here || published == 0 || FIRED.get().swap(true, Ordering::SeqCst) {
         return;
     }
     match fault {
-        Fault::None => {}
+        Fault::None | Fault::CrashAfterFinish => {}
         Fault::CrashAfterPublish => {
             log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before finishing the round");
             // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
@@ -81,5 +89,19 @@ pub fn after_publish(published: usize) {
             let huge: Vec<u8> = Vec::with_capacity(1 << 30);
             std::hint::black_box(&huge);
         }
+    }
+}
+
+/// Right after the finish of a round that published `published` events committed.
+pub fn after_finish(published: usize) {
+    if FAULT.get() != Fault::CrashAfterFinish || published == 0 || FIRED.get().swap(true, Ordering::SeqCst) {
+        return;
+    }
+    log!("outbox_pg: outbox.fault_injection = crash_after_finish: dying (SIGKILL) after finishing a round of {published} events");
+    // SAFETY: flushes the WAL written so far (the finish's commit record, committed
+    // asynchronously), outside any transaction; then the process kills itself, as kill -9 would.
+    unsafe {
+        pg_sys::XLogFlush(pg_sys::GetXLogInsertRecPtr());
+        libc::kill(libc::getpid(), libc::SIGKILL);
     }
 }

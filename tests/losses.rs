@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{enqueue_to, wait_for, Env, DEADLINE};
+use common::{enqueue_to, wait_for, Cluster, Env, Redis, DEADLINE, RELAY_ACL_USER};
 use outbox_testkit::{as_server_user, rss_kb, PeakMemory};
 
 fn losses(client: &mut postgres::Client, stream: &str) -> i64 {
@@ -296,4 +296,146 @@ fn an_allocation_failure_ends_the_relay_alone() {
     assert!(!log.contains("terminating any other active server processes"), "{log}");
     bystander.query_one("SELECT 1", &[]).expect("no backend was restarted");
     assert!(log.contains("FATAL:  outbox_pg: out of memory: an allocation of 1073741824 bytes failed"), "{log}");
+}
+
+/// Where both servers crash, relative to the finish of the round that published five events.
+#[derive(Debug, Clone, Copy)]
+enum CrashPoint {
+    /// The relay exits after Redis accepted the round, before its finish.
+    BeforeFinish,
+    /// The relay dies (SIGKILL, so PostgreSQL restarts every backend) right after the finish
+    /// committed and was flushed.
+    AfterFinish,
+    /// The relay is killed once the round's marks are in outbox.stream_marks.
+    AfterMarks,
+}
+
+/// PostgreSQL and Redis (snapshots only, `SAVE`d before the events) both crash at `point`, Redis
+/// comes back from its snapshot, and one more event is enqueued: every event marked published is
+/// then either in Redis or its stream's loss is recorded.
+fn crash_both_servers(point: CrashPoint) {
+    let mut env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    enqueue_to(&mut client, "warm", "1", None);
+    env.redis.wait_for_entries("outbox:warm", 1);
+    let _: String = env.redis.query(&redis::cmd("SAVE"));
+    let fault = match point {
+        CrashPoint::BeforeFinish => "crash_after_publish",
+        CrashPoint::AfterFinish => "crash_after_finish",
+        CrashPoint::AfterMarks => "none",
+    };
+    env.pg.set(&mut client, &[("outbox.fault_injection", fault)]);
+    wait_for(DEADLINE, "the setting to be in force", || {
+        let mut fresh = env.pg.connect();
+        let now: String = fresh.query_one("SELECT current_setting('outbox.fault_injection')", &[]).unwrap().get(0);
+        (now == fault).then_some(())
+    });
+    let relay = env.pg.relay_pid(&mut client);
+    // Five events in one transaction, in the order they are enqueued.
+    let events: Vec<String> = client
+        .query(
+            "SELECT outbox_enqueue('lost', '1', 'test.event', '{}'::jsonb)::text FROM generate_series(1, 5) ORDER BY 1",
+            &[],
+        )
+        .unwrap()
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect();
+    match point {
+        CrashPoint::BeforeFinish => wait_for(DEADLINE, "the relay to exit before the finish", || {
+            env.pg.log().contains("crash_after_publish: exiting").then_some(())
+        }),
+        CrashPoint::AfterFinish => wait_for(DEADLINE, "the relay to die after the finish", || {
+            env.pg.log().contains("crash_after_finish: dying").then_some(())
+        }),
+        CrashPoint::AfterMarks => {
+            env.redis.wait_for_entries("outbox:lost", 5);
+            wait_for(DEADLINE, "the marks of outbox:lost to be stored", || {
+                let stored: i64 = client
+                    .query_one("SELECT count(*) FROM outbox.stream_marks WHERE stream = 'outbox:lost'", &[])
+                    .unwrap()
+                    .get(0);
+                (stored == 1).then_some(())
+            });
+            env.pg.kill_9(relay);
+        }
+    }
+    if !matches!(point, CrashPoint::BeforeFinish) {
+        wait_for(DEADLINE, "PostgreSQL to restart every backend", || {
+            env.pg.log().contains("all server processes terminated; reinitializing").then_some(())
+        });
+    }
+    // Redis dies too, and comes back from the snapshot taken before the five events.
+    env.redis.restart();
+    let mut client = env.pg.connect_eventually();
+    env.pg.set(&mut client, &[("outbox.fault_injection", "none")]);
+    wait_for(DEADLINE, "the setting to be in force", || {
+        let mut fresh = env.pg.connect();
+        let now: String = fresh.query_one("SELECT current_setting('outbox.fault_injection')", &[]).unwrap().get(0);
+        (now == "none").then_some(())
+    });
+    let last = enqueue_to(&mut client, "lost", "2", None);
+    // A relay forked before that reload may still crash once more after the next finish (its
+    // SIGHUP came while a starting worker ignores it): the connection is made again then.
+    let mut client = Some(client);
+    wait_for(DEADLINE, &format!("{point:?}: the five events in Redis, or their loss recorded"), || {
+        let connection = client.get_or_insert_with(|| env.pg.connect_eventually());
+        let state = connection.query_one(
+            "SELECT (SELECT status = 'published' FROM outbox.messages WHERE event_id = $1::text::uuid), \
+                    (SELECT count(*) FROM outbox.redis_losses WHERE stream = 'outbox:lost')",
+            &[&last],
+        );
+        let Ok(row) = state else {
+            client = None;
+            return None;
+        };
+        let (finished, lost): (Option<bool>, i64) = (row.get(0), row.get(1));
+        let in_redis: Vec<String> =
+            env.redis.entries("outbox:lost").into_iter().map(|e| e["event_id"].clone()).collect();
+        let all_there = events.iter().all(|event| in_redis.contains(event));
+        (finished == Some(true) && (all_there || lost > 0)).then_some(())
+    });
+}
+
+/// Issue 35, item 2: a round's finish committed, and its stream marks were stored about 0.8 s
+/// later in a transaction of their own; PostgreSQL and Redis crashing in between kept the finish
+/// (five events `published`), lost the marks, and Redis, restarted from a snapshot, lost the
+/// entries: nothing noticed it. The marks now go in the finish itself.
+#[test]
+fn a_loss_when_both_servers_crash_around_a_finish_is_noticed() {
+    for point in [CrashPoint::BeforeFinish, CrashPoint::AfterFinish, CrashPoint::AfterMarks] {
+        crash_both_servers(point);
+    }
+}
+
+/// Where the relay's Redis user may not run `EVAL` (README's least privileges: `+xinfo|stream`),
+/// the check asks `XINFO STREAM` itself, one stream per exchange, and still finds a loss.
+#[test]
+fn without_eval_the_check_asks_xinfo_stream_and_still_finds_a_loss() {
+    let redis = Redis::start();
+    redis.query::<()>(redis::cmd("ACL").arg([&["SETUSER"][..], RELAY_ACL_USER].concat()));
+    let pg = Cluster::start(
+        redis.port,
+        &[
+            &format!("outbox.redis_url = 'redis://relay:relay-pw@127.0.0.1:{}'", redis.port),
+            "outbox.poll_interval = '100ms'",
+        ],
+    );
+    pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    let env = Env { redis, pg };
+    let mut client = env.pg.connect();
+    enqueue_to(&mut client, "gone", "1", None);
+    env.redis.wait_for_entries("outbox:gone", 1);
+    enqueue_to(&mut client, "kept", "1", None);
+    env.redis.wait_for_entries("outbox:kept", 1);
+    let _: i64 = env.redis.query(redis::cmd("DEL").arg("outbox:gone"));
+    kill_relay_connections(&env);
+    enqueue_to(&mut client, "kept", "2", None);
+    wait_for(DEADLINE, "the loss of outbox:gone to be recorded", || {
+        (losses(&mut client, "outbox:gone") == 1).then_some(())
+    });
+    assert_eq!(losses(&mut client, "outbox:kept"), 0);
+    let denied: Vec<redis::Value> = env.redis.query(redis::cmd("ACL").arg("LOG"));
+    assert!(format!("{denied:?}").contains("eval"), "the script was tried and refused: {denied:?}");
+    assert!(!env.pg.log().contains("cannot notice"), "{}", env.pg.log());
 }

@@ -15,6 +15,7 @@ use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::state::RoundState;
 use crate::relay::txn;
 use crate::sink::marks::{Loss, Mark, MAX_STREAMS};
+use crate::sink::redis::RedisSink;
 use crate::sink::StreamId;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
@@ -64,8 +65,20 @@ fn postgres_us(at: SystemTime) -> i64 {
     at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as i64) - 946_684_800_000_000
 }
 
-/// Stores marks that moved (the later of each is kept), for the Redis `target` names.
+/// Stores marks that moved (the later of each is kept), for the Redis `target` names, in a
+/// transaction of their own.
 pub fn store_marks(target: String, marks: Vec<(String, Mark)>) -> Result<(), String> {
+    if marks.is_empty() {
+        return Ok(());
+    }
+    txn::run(move || write_marks(&target, &marks))
+}
+
+/// Stores marks in the transaction under way: the finish of the round whose entries they are
+/// (src/relay/settle.rs), so that a crash keeps either both or neither. A finish that marks
+/// events published with their marks still to be stored a moment later lost them to a crash in
+/// between, and with them the loss of those entries, if Redis lost them too (issue 35).
+pub fn write_marks(target: &str, marks: &[(String, Mark)]) -> Result<(), pgrx::spi::Error> {
     if marks.is_empty() {
         return Ok(());
     }
@@ -73,7 +86,7 @@ pub fn store_marks(target: String, marks: Vec<(String, Mark)>) -> Result<(), Str
     let ms: Vec<i64> = marks.iter().map(|(_, m)| m.id.ms as i64).collect();
     let seqs: Vec<i64> = marks.iter().map(|(_, m)| m.id.seq as i64).collect();
     let at: Vec<String> = marks.iter().map(|(_, m)| timestamptz_text(postgres_us(m.written_at))).collect();
-    txn::run(move || Spi::run_with_args(STORE, &[target.into(), streams.into(), ms.into(), seqs.into(), at.into()]))
+    Spi::run_with_args(STORE, &[target.into(), streams.into(), ms.into(), seqs.into(), at.into()])
 }
 
 /// The marks stored for the Redis `target` names, the most recently written first.
@@ -93,6 +106,16 @@ pub fn stored_marks(target: String) -> Result<Vec<(String, Mark)>, String> {
             Ok::<_, pgrx::spi::Error>(marks)
         })
     })
+}
+
+/// Records the losses the sink's checks found, if any, before a round that wrote after those
+/// checks is finished; on failure they stay in the sink, and the caller finishes nothing.
+pub fn report_found(sink: &mut RedisSink) -> Result<(), String> {
+    let found = sink.take_losses();
+    if found.is_empty() {
+        return Ok(());
+    }
+    report(sink.marks_target(), found.clone(), crate::guc::replay_on_loss()).inspect_err(|_| sink.restore_losses(found))
 }
 
 /// Records losses (each once, whichever relay finds it first), forgets the lost streams' stored

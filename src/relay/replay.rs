@@ -178,7 +178,15 @@ pub fn replay_round(
     let id = walked.replay.id;
     let done = walked.done;
     let pid = settings.pid;
+    // Losses found before this round wrote, then, with the progress, the marks of what Redis
+    // acknowledged (as a live round's finish does).
+    if let Err(error) = crate::relay::losses::report_found(sink) {
+        return ReplayOutcome::DatabaseError(error);
+    }
+    let (marks_target, marks) = (sink.marks_target(), sink.take_dirty_marks());
+    let kept = marks.clone();
     let recorded = txn::run(move || -> Result<Vec<(i64, String)>, pgrx::spi::Error> {
+        crate::relay::losses::write_marks(&marks_target, &marks)?;
         Spi::get_one_with_args::<bool>(
             PROGRESS,
             &[
@@ -221,7 +229,10 @@ pub fn replay_round(
             }
             ReplayOutcome::Ran { id, sent, refused, done }
         }
-        Err(error) => ReplayOutcome::DatabaseError(error),
+        Err(error) => {
+            sink.marks_not_stored(kept);
+            ReplayOutcome::DatabaseError(error)
+        }
     }
 }
 

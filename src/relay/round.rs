@@ -250,7 +250,7 @@ fn run(
     }
     timings.publish += started.elapsed();
     state.allowance.landed(Instant::now());
-    settle(batch, settlement, tally, claimed, settings, state, timings)
+    settle(batch, settlement, tally, claimed, settings, sink, state, timings)
 }
 
 /// A round of `events` events failed with `error`: if Redis did not answer it in time, the next
@@ -291,7 +291,7 @@ fn land(
     state.allowance.landed(Instant::now());
     let clean = settlement.hold.is_empty() && tally.rejected == 0;
     timings.shards_held = Some(batch.shards.len());
-    let outcome = settle(batch, settlement, tally, claimed, &settings, state, timings);
+    let outcome = settle(batch, settlement, tally, claimed, &settings, sink, state, timings);
     let clean = clean && matches!(outcome, TickOutcome::Worked { .. });
     (outcome, clean)
 }
@@ -308,18 +308,31 @@ pub fn land_in_flight(
 }
 
 /// Finishes a published round: writes its outcome in one transaction.
+#[allow(clippy::too_many_arguments)]
 fn settle(
     batch: Batch,
-    settlement: Settlement,
+    mut settlement: Settlement,
     tally: Tally,
     claimed: usize,
     settings: &TickSettings,
+    sink: &mut RedisSink,
     state: &mut RoundState,
     timings: &mut RoundTimings,
 ) -> TickOutcome {
     #[cfg(feature = "fault-injection")]
     crate::faults::after_publish(tally.published);
 
+    // Losses the check found before this round wrote are recorded first (a transaction that
+    // commits synchronously): the finish stores marks past them, after which a relay started
+    // anew, should this one crash, could no longer find them.
+    if let Err(error) = crate::relay::losses::report_found(sink) {
+        return TickOutcome::DatabaseError(error);
+    }
+    // The marks of what Redis acknowledged go in the finish that marks it published (a crash
+    // keeps both or neither): a loss of those entries is then always noticed.
+    settlement.marks_target = sink.marks_target();
+    settlement.marks = sink.take_dirty_marks();
+    let marks = settlement.marks.clone();
     // If finishing fails nothing is finished: the batch is read and published again (duplicates,
     // never a loss).
     let started = Instant::now();
@@ -327,10 +340,15 @@ fn settle(
     timings.settle += started.elapsed();
     let dead_lettered = match finished {
         Ok(finished) => {
+            #[cfg(feature = "fault-injection")]
+            crate::faults::after_finish(tally.published);
             shared::add_published(tally.published as i64);
             finished.dead_lettered
         }
-        Err(error) => return TickOutcome::DatabaseError(error),
+        Err(error) => {
+            sink.marks_not_stored(marks);
+            return TickOutcome::DatabaseError(error);
+        }
     };
     TickOutcome::Worked {
         claimed,

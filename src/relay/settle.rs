@@ -1,18 +1,21 @@
 //! The last part of a round: finish it in one short transaction, once Redis has answered. Each
 //! shard's cursor (or position in a window published in parts), the counters of the round's
-//! aggregates, and, only when Redis refused something, the failure path; and only if the log still
-//! belongs to the installation the round was read from.
+//! aggregates, the marks of the streams it wrote to (src/relay/losses.rs), and, only when Redis
+//! refused something, the failure path; and only if the log still belongs to the installation the
+//! round was read from.
 
 use std::panic::AssertUnwindSafe;
 
 use pgrx::prelude::*;
 use pgrx::{PgBuiltInOids, PgOid};
 
+use crate::relay::losses;
 use crate::relay::read::{Batch, ShardBatch};
 use crate::relay::readiness::installation;
 use crate::relay::state::{RoundState, Statement, Statements};
 use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
+use crate::sink::marks::Mark;
 
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
@@ -47,6 +50,11 @@ pub struct Settlement {
     /// What the round published, in the order Redis received it: (event_id, aggregate_seq), for
     /// the journal replays walk (src/sql/replay.sql).
     pub journal: Vec<(String, i64)>,
+    /// The marks that moved since they were last stored (src/sink/marks.rs), of the Redis
+    /// `marks_target` names: those of this round's entries among them. Stored in the finish, so
+    /// that what marks the events published also records what Redis acknowledged of them.
+    pub marks: Vec<(String, Mark)>,
+    pub marks_target: String,
 }
 
 /// What a finish wrote.
@@ -144,6 +152,7 @@ pub fn finish(
             })
             .map_err(spi)?;
         }
+        losses::write_marks(&settlement.marks_target, &settlement.marks).map_err(spi)?;
         // Checked after the writes, in their transaction: the rows they touched stay locked until
         // it ends, so a DROP EXTENSION cannot slip in between this check and the commit.
         if installation() != read_from {

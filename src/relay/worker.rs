@@ -37,7 +37,8 @@ const BACKOFF_CAP: Duration = Duration::from_secs(10);
 /// Housekeeping cadence while anything is undelivered or being purged; when the outbox is empty it
 /// runs only once per poll interval, so an idle relay queries no more often than that.
 const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
-/// How often a relay stores its stream marks when they moved.
+/// How often a relay stores the stream marks that moved outside a finish (a round stores its own
+/// in its finish, src/relay/round.rs: these are a failed finish's).
 const MARKS_STORED_EVERY: Duration = Duration::from_secs(1);
 /// How often a relay prunes `outbox.stream_marks` (src/relay/losses.rs, `prune_marks`).
 const MARKS_PRUNED_EVERY: Duration = Duration::from_secs(60);
@@ -660,7 +661,11 @@ impl Relay {
         }
         if self.marks_stored_at.elapsed() >= MARKS_STORED_EVERY {
             self.marks_stored_at = Instant::now();
-            losses::store_marks(target.clone(), self.sink.take_dirty_marks())?;
+            let marks = self.sink.take_dirty_marks();
+            if let Err(error) = losses::store_marks(target.clone(), marks.clone()) {
+                self.sink.marks_not_stored(marks);
+                return Err(error);
+            }
         }
         if self.marks_pruned_at.elapsed() >= MARKS_PRUNED_EVERY {
             self.marks_pruned_at = Instant::now();

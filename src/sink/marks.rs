@@ -218,6 +218,11 @@ impl Marks {
         dirty.into_iter().filter_map(|stream| self.marks.get(&stream).map(|known| (stream, known.mark))).collect()
     }
 
+    /// Marks `take_dirty` handed out that could not be stored: stored with the next ones.
+    pub fn not_stored(&mut self, streams: impl IntoIterator<Item = String>) {
+        self.dirty.extend(streams);
+    }
+
     /// A new connection: a new pass at the next opportunity (the one under way, if any, is
     /// abandoned: what it checked may predate the connection).
     pub fn reconnected(&mut self) {

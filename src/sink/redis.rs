@@ -484,9 +484,19 @@ impl RedisSink {
         std::mem::take(&mut self.losses)
     }
 
+    /// Losses `take_losses` handed out that could not be recorded.
+    pub fn restore_losses(&mut self, losses: Vec<Loss>) {
+        self.losses.extend(losses);
+    }
+
     /// The marks moved since the last call, for the relay to store.
     pub fn take_dirty_marks(&mut self) -> Vec<(String, Mark)> {
         self.marks.take_dirty()
+    }
+
+    /// Marks `take_dirty_marks` handed out that were not stored (their transaction failed).
+    pub fn marks_not_stored(&mut self, marks: Vec<(String, Mark)>) {
+        self.marks.not_stored(marks.into_iter().map(|(stream, _)| stream));
     }
 
     /// Marks stored earlier (by this relay's predecessor or another relay of the database).

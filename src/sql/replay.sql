@@ -518,7 +518,8 @@ COMMENT ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bi
 --     Stores a relay's stream marks for the Redis it writes to (src/sink/marks.rs), keeping the
 --     later of each.
 -- Writes:  insert or update outbox.stream_marks
--- Called by: a relay, at most once a second
+-- Called by: a relay, in the transaction that finishes a round (or records a replay round's
+--          progress), and at most once a second for marks a failed finish did not store
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._store_marks(target text, streams text[], last_ms bigint[], last_seqs bigint[],
                                     written_at timestamptz[])
