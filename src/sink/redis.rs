@@ -539,7 +539,11 @@ impl RedisSink {
                 let stream = &streams[..1];
                 let slot = key_slot(stream[0].as_bytes());
                 let master = self.slots.as_ref().and_then(|map| map.master_of(slot)).cloned();
-                let Some(master) = master else { return Ok(()) };
+                let Some(master) = master else {
+                    // No slot map to ask by: the pass begins again once there is one.
+                    self.marks.reconnected();
+                    return Ok(());
+                };
                 (last_generated_ids(self.node(&master)?, stream, query), Some(master))
             } else {
                 (last_generated_ids(self.single()?, streams, query), None)
