@@ -263,6 +263,9 @@ fn the_loss_check_holds_ids_not_entries_under_a_memory_limit() {
     for g in [1, 8, streams] {
         assert_eq!(losses(&mut client, &format!("tenant:{g}")), 0, "tenant:{g} lost nothing");
     }
+    // By the script (IDs and counters only), not by the fallback that fetches entries.
+    let stats: String = env.redis.query(redis::cmd("INFO").arg("commandstats"));
+    assert!(stats.contains("cmdstat_eval:calls="), "{stats}");
 }
 
 /// Issue 35, item 1: an allocation the relay's Rust heap cannot satisfy (here 1 GiB, under an
