@@ -207,7 +207,7 @@ CREATE TABLE outbox.replay_requests (
     aggregate_types text[],
     event_ids       uuid[],
     -- Sent to this stream instead of each event's own.
-    into_stream     text,
+    to_stream       text,
     -- At most this many events a second (NULL: as fast as the relays go between live rounds).
     max_rate        integer CHECK (max_rate > 0),
     -- The journal rounds it walks: from first_round to last_round (the last finished when it was
@@ -1366,7 +1366,7 @@ GRANT SELECT ON outbox.journal TO outbox_admin;
 -- src/sql/replay.sql
 CREATE OR REPLACE VIEW outbox.replays AS
 SELECT r.id, r.state, r.requested_at, r.requested_by, r.since, r.until, r.published_since, r.streams,
-       r.aggregate_types, r.event_ids, r.into_stream, r.max_rate,
+       r.aggregate_types, r.event_ids, r.to_stream, r.max_rate,
        r.replayed, greatest(r.journaled - r.walked, 0) AS remaining, r.filtered, r.missing, r.errors,
        r.last_error, r.finished_at
   FROM outbox.replay_requests r;
@@ -1376,7 +1376,7 @@ COMMENT ON VIEW outbox.replays IS
 
 CREATE OR REPLACE FUNCTION outbox.replay(since timestamptz, until timestamptz DEFAULT NULL, streams text[] DEFAULT NULL,
                               aggregate_types text[] DEFAULT NULL, event_ids uuid[] DEFAULT NULL,
-                              "into" text DEFAULT NULL, published_since timestamptz DEFAULT NULL,
+                              to_stream text DEFAULT NULL, published_since timestamptz DEFAULT NULL,
                               partial boolean DEFAULT false, max_rate integer DEFAULT NULL)
 RETURNS bigint
 LANGUAGE sql VOLATILE
@@ -1384,7 +1384,7 @@ LANGUAGE sql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    SELECT outbox._request_replay(since, until, streams, aggregate_types, event_ids, "into", published_since,
+    SELECT outbox._request_replay(since, until, streams, aggregate_types, event_ids, to_stream, published_since,
                                   partial, max_rate, false);
 $fn$;
 
@@ -1392,7 +1392,7 @@ COMMENT ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid
     'outbox_pg: publishes again the published events enqueued in [since, until) that match the filters, in order, with their event_id and aggregate_seq; returns the replay''s id (outbox.replays)';
 
 CREATE OR REPLACE FUNCTION outbox._request_replay(since timestamptz, until timestamptz, streams text[], aggregate_types text[],
-                                       event_ids uuid[], "into" text, published_since timestamptz, partial boolean,
+                                       event_ids uuid[], to_stream text, published_since timestamptz, partial boolean,
                                        max_rate integer, exact_streams boolean)
 RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -1421,12 +1421,12 @@ BEGIN
         RAISE EXCEPTION 'outbox.replay: the range [%, %) is empty', since, until
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass an until later than since, or none.';
     END IF;
-    IF "into" IS NOT NULL AND ("into" = '' OR octet_length("into") > 512) THEN
-        RAISE EXCEPTION 'outbox.replay: into must be a Redis key of 1 to 512 bytes (got % bytes)', octet_length("into")
+    IF to_stream IS NOT NULL AND (to_stream = '' OR octet_length(to_stream) > 512) THEN
+        RAISE EXCEPTION 'outbox.replay: to_stream must be a Redis key of 1 to 512 bytes (got % bytes)', octet_length(to_stream)
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass the stream to send the events to, or NULL for their own.';
     END IF;
-    IF "into" IS NOT NULL THEN
-        PERFORM outbox._check_allowed_stream("into");
+    IF to_stream IS NOT NULL THEN
+        PERFORM outbox._check_allowed_stream(to_stream);
     END IF;
     IF streams IS NOT NULL AND (cardinality(streams) = 0
                                 OR EXISTS (SELECT 1 FROM unnest(streams) s
@@ -1473,10 +1473,10 @@ BEGIN
     SELECT coalesce(sum(j.events), 0) INTO journaled FROM outbox.journal j
      WHERE j.round BETWEEN first_round AND last_round;
     INSERT INTO outbox.replay_requests (since, until, published_since, streams, exact_streams, aggregate_types,
-                                        event_ids, into_stream, max_rate, first_round, last_round, journaled,
+                                        event_ids, to_stream, max_rate, first_round, last_round, journaled,
                                         next_round, state, finished_at)
     VALUES (since, until, published_since, streams, exact_streams AND streams IS NOT NULL, aggregate_types, event_ids,
-            "into", max_rate, coalesce(first_round, 0), coalesce(last_round, -1), journaled, coalesce(first_round, 0),
+            to_stream, max_rate, coalesce(first_round, 0), coalesce(last_round, -1), journaled, coalesce(first_round, 0),
             CASE WHEN first_round IS NULL THEN 'done' ELSE 'running' END,
             CASE WHEN first_round IS NULL THEN clock_timestamp() END)
     RETURNING id INTO created;
@@ -1725,7 +1725,7 @@ BEGIN
         IF l.replay_state = 'done' AND l.errors = 0 AND losses IS NULL THEN
             RAISE WARNING 'outbox.repair_losses: replay % of loss % replayed no event of stream "%": no retained event published since it was lost maps to that stream under the outbox.stream template of now',
                           l.replay_id, l.id, l.stream
-                USING HINT = format('If stream %L was written under an earlier outbox.stream template (or an event''s own stream), replay its events into it: SELECT outbox.replay(since => ..., aggregate_types => ARRAY[...], "into" => %L). The loss stays counted in outbox.stats.redis_data_loss; SELECT outbox.repair_losses(ARRAY[%s]) tries it again.',
+                USING HINT = format('If stream %L was written under an earlier outbox.stream template (or an event''s own stream), replay its events into it: SELECT outbox.replay(since => ..., aggregate_types => ARRAY[...], to_stream => %L). The loss stays counted in outbox.stats.redis_data_loss; SELECT outbox.repair_losses(ARRAY[%s]) tries it again.',
                                     l.stream, l.stream, l.id);
             CONTINUE;
         END IF;
@@ -1903,7 +1903,7 @@ COMMENT ON FUNCTION outbox._calling_role() IS
     'Internal: the role the caller acts as outside any SECURITY DEFINER function (outbox_mark_processed)';
 
 COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
-    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s into)';
+    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s to_stream)';
 
 COMMENT ON FUNCTION outbox._wake_for_replay() IS
     'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';

@@ -14,7 +14,7 @@ mod outbox {
     use crate::shared::{self, in_flight};
 
     /// `outbox._check_allowed_stream(stream)`: refuses (42501) a stream `outbox.allowed_streams`
-    /// does not allow, for `outbox.replay`'s `into`.
+    /// does not allow, for `outbox.replay`'s `to_stream`.
     #[pg_extern(volatile, parallel_unsafe, name = "_check_allowed_stream")]
     fn check_allowed_stream_for_replay(stream: &str) {
         let patterns = guc::allowed_streams();
@@ -24,7 +24,7 @@ mod outbox {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
                 format!(
-                    "outbox.replay: stream \"{}\" (into) is not allowed by outbox.allowed_streams",
+                    "outbox.replay: stream \"{}\" (to_stream) is not allowed by outbox.allowed_streams",
                     crate::enqueue::streams::shown(stream)
                 ),
                 "outbox.replay",

@@ -155,7 +155,7 @@ fn cloudevents_entries_carry_the_same_events_as_attributes() {
     // A replay of the first CloudEvent's event is a CloudEvent with `replay`.
     let replay: i64 = client
         .query_one(
-            "SELECT outbox.replay(since => created_at, event_ids => ARRAY[event_id], \"into\" => 'history:payment')
+            "SELECT outbox.replay(since => created_at, event_ids => ARRAY[event_id], to_stream => 'history:payment')
                FROM outbox.messages WHERE event_id = $1::text::uuid",
             &[&ids[0]],
         )

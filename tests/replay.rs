@@ -35,7 +35,7 @@ fn now(client: &mut postgres::Client) -> SystemTime {
     client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0)
 }
 
-/// `replay(into => ...)` while producers commit: the history stream receives exactly the selected
+/// `replay(to_stream => ...)` while producers commit: the history stream receives exactly the selected
 /// events, once, with their own aggregate_seq and a `replay` field, in order per aggregate; the live
 /// streams keep every committed event.
 #[test]
@@ -73,7 +73,7 @@ fn a_replay_into_another_stream_sends_exactly_the_selection_in_order_while_live_
     producers.wait_for_commits(50);
     let id: i64 = client
         .query_one(
-            "SELECT outbox.replay(since => $1, until => $2, aggregate_types => ARRAY['payment'], \"into\" => 'history:payment')",
+            "SELECT outbox.replay(since => $1, until => $2, aggregate_types => ARRAY['payment'], to_stream => 'history:payment')",
             &[&since, &until],
         )
         .unwrap()
@@ -202,8 +202,8 @@ fn replay_refuses_a_range_retention_removed_and_bad_arguments() {
     for (sql, code) in [
         ("SELECT outbox.replay(NULL)", "22004"),
         ("SELECT outbox.replay(now(), until => now() - interval '1 hour')", "22023"),
-        ("SELECT outbox.replay(now(), \"into\" => '')", "22023"),
-        ("SELECT outbox.replay(now(), \"into\" => 'elsewhere')", "42501"),
+        ("SELECT outbox.replay(now(), to_stream => '')", "22023"),
+        ("SELECT outbox.replay(now(), to_stream => 'elsewhere')", "42501"),
         ("SELECT outbox.replay(now(), streams => ARRAY['outbox:*', ''])", "22023"),
         ("SELECT outbox.replay(now(), max_rate => 0)", "22023"),
     ] {
@@ -230,7 +230,7 @@ fn a_replay_survives_a_relay_kill_and_a_redis_outage_and_can_be_cancelled() {
     env.redis.wait_for_entries("outbox:ledger", 20_000);
     // Throttled, so that the kill and the outage come in the middle.
     let id: i64 = client
-        .query_one("SELECT outbox.replay(since => $1, \"into\" => 'history:ledger', max_rate => 4000)", &[&since])
+        .query_one("SELECT outbox.replay(since => $1, to_stream => 'history:ledger', max_rate => 4000)", &[&since])
         .unwrap()
         .get(0);
     wait_for(DEADLINE, "the replay to be under way", || (env.redis.xlen("history:ledger") > 2000).then_some(()));
@@ -255,7 +255,7 @@ fn a_replay_survives_a_relay_kill_and_a_redis_outage_and_can_be_cancelled() {
 
     // Cancel: a slow replay stops, and stays stopped.
     let slow: i64 = client
-        .query_one("SELECT outbox.replay(since => $1, \"into\" => 'slow:ledger', max_rate => 500)", &[&since])
+        .query_one("SELECT outbox.replay(since => $1, to_stream => 'slow:ledger', max_rate => 500)", &[&since])
         .unwrap()
         .get(0);
     wait_for(DEADLINE, "the slow replay to start", || (env.redis.xlen("slow:ledger") > 0).then_some(()));
@@ -321,7 +321,7 @@ fn retention_during_a_replay_is_counted_missing() {
     env.redis.wait_for_entries("outbox:kept", 3000);
     // One round, then the throttle holds it (1 event a second: for about 1,000 s).
     let id: i64 = client
-        .query_one("SELECT outbox.replay(since => $1, \"into\" => 'history:kept', max_rate => 1)", &[&since])
+        .query_one("SELECT outbox.replay(since => $1, to_stream => 'history:kept', max_rate => 1)", &[&since])
         .unwrap()
         .get(0);
     let first: i64 = wait_for(DEADLINE, "the replay's first round", || {
@@ -424,13 +424,13 @@ fn a_loss_under_an_earlier_stream_template_is_not_counted_repaired() {
     wait_for(DEADLINE, "the relay's WARNING", || {
         env.pg.log().contains("replayed no event of stream \"old:gadget\"").then_some(())
     });
-    assert!(env.pg.log().contains("\"into\" => 'old:gadget'"), "{}", env.pg.log());
+    assert!(env.pg.log().contains("to_stream => 'old:gadget'"), "{}", env.pg.log());
     // repair_losses() does not replay nothing again.
     assert_eq!(client.query("SELECT * FROM outbox.repair_losses()", &[]).unwrap().len(), 0);
     // What the WARNING proposes.
     let id: i64 = client
         .query_one(
-            "SELECT outbox.replay(since => $1, aggregate_types => ARRAY['gadget'], \"into\" => 'old:gadget')",
+            "SELECT outbox.replay(since => $1, aggregate_types => ARRAY['gadget'], to_stream => 'old:gadget')",
             &[&since],
         )
         .unwrap()
@@ -452,7 +452,7 @@ fn a_replay_sends_events_larger_than_a_round() {
         .unwrap();
     env.redis.wait_for_entries("outbox:blob", 3);
     let id: i64 =
-        client.query_one("SELECT outbox.replay(since => $1, \"into\" => 'history:blob')", &[&since]).unwrap().get(0);
+        client.query_one("SELECT outbox.replay(since => $1, to_stream => 'history:blob')", &[&since]).unwrap().get(0);
     assert_eq!(wait_replay_done(&mut client, id), (3, 0, 0, 0));
     assert_eq!(env.redis.xlen("history:blob"), 3);
 }

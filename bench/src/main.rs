@@ -2187,7 +2187,7 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
         "\n## One transaction of {} events, and its replay\n\nOne `SELECT outbox_enqueue(…) FROM generate_series(…)` \
          ({:.1} s), committed; the relay publishes it in rounds of at most 10,000 events or 16 MB. First entry in Redis \
          {:.0} ms after the commit; all of it in {:.1} s ({} events/s). The relay's private memory (`RssAnon`, sampled \
-         every 20 ms): {} kB at rest, {} kB at most. Then `outbox.replay(since => …, into => …)` of the same events: \
+         every 20 ms): {} kB at rest, {} kB at most. Then `outbox.replay(since => …, to_stream => …)` of the same events: \
          {:.1} s ({} events/s), at most {} kB.\n\n\
          Latency at {} events/s asked (the producers reached {} events/s): p50 {:.2} ms, p99 {:.2} ms, max {:.1} ms \
          ({} samples, {} missing).\n",

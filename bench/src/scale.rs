@@ -103,7 +103,7 @@ pub fn large_transaction(args: &Args, events: i64) -> Result<LargeTransaction> {
     // A replay of the whole transaction into a stream of its own.
     let peak = PeakMemory::watch(relay);
     let started = Instant::now();
-    let id: i64 = admin.query_one("SELECT outbox.replay(since => $1, \"into\" => $2)", &[&since, &REPLAYED])?.get(0);
+    let id: i64 = admin.query_one("SELECT outbox.replay(since => $1, to_stream => $2)", &[&since, &REPLAYED])?.get(0);
     wait_until(Duration::from_secs(1800), || {
         let state: String = admin.query_one("SELECT state FROM outbox.replays WHERE id = $1", &[&id])?.get(0);
         Ok(state == "done")

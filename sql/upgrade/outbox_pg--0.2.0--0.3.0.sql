@@ -203,7 +203,7 @@ CREATE TABLE outbox.replay_requests (
     aggregate_types text[],
     event_ids       uuid[],
     -- Sent to this stream instead of each event's own.
-    into_stream     text,
+    to_stream       text,
     -- At most this many events a second (NULL: as fast as the relays go between live rounds).
     max_rate        integer CHECK (max_rate > 0),
     -- The journal rounds it walks: from first_round to last_round (the last finished when it was

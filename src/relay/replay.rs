@@ -57,7 +57,7 @@ impl Limits {
 const MIN_EXAMINED: usize = 256;
 
 const CLAIM: &str = "SELECT id, since::text, next_round, next_index, last_round, until::text, streams, \
-                     aggregate_types, event_ids::text[], into_stream, max_rate, exact_streams \
+                     aggregate_types, event_ids::text[], to_stream, max_rate, exact_streams \
                      FROM outbox._claim_replay($1, $2)";
 const WALK: &str = "SELECT round, skip, event_ids::text[], seqs, events FROM outbox._replay_walk($1, $2, $3, $4, $5)";
 const SELECT: &str = "SELECT event_id::text, aggregate_type, event_type, stream, size, matches \
@@ -105,7 +105,7 @@ struct Claimed {
     exact_streams: bool,
     aggregate_types: Option<Vec<String>>,
     event_ids: Option<Vec<String>>,
-    into: Option<String>,
+    to_stream: Option<String>,
     max_rate: Option<i32>,
 }
 
@@ -151,8 +151,8 @@ pub fn replay_round(
     };
     let (mut sent, mut refused, mut last_error) = (0usize, 0usize, None);
     if !walked.events.is_empty() {
-        // Into a stream of its own (`into`) or the event's: an explicit stream wins over the
-        // template, so `into` is set as each event's stream.
+        // Into a stream of its own (`to_stream`) or the event's: an explicit stream wins over the
+        // template, so `to_stream` is set as each event's stream.
         let outcomes = match sink.publish(&walked.events, &settings.entries) {
             Ok(outcomes) => outcomes,
             Err(error) => return ReplayOutcome::BrokerDown(error),
@@ -222,7 +222,7 @@ pub fn replay_round(
                     "outbox_pg: replay {id} repairing outbox.redis_losses id {loss} replayed no event of stream \"{stream}\": no \
                      retained event published since the loss maps to that stream under the outbox.stream template of now; if \
                      the stream was written under an earlier template, replay its events into it with SELECT \
-                     outbox.replay(since => ..., aggregate_types => ARRAY[...], \"into\" => '{}'); the loss stays counted in \
+                     outbox.replay(since => ..., aggregate_types => ARRAY[...], to_stream => '{}'); the loss stays counted in \
                      outbox.stats.redis_data_loss",
                     stream.replace('\'', "''")
                 );
@@ -293,7 +293,7 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                 streams: row.get::<Vec<String>>(7)?,
                 aggregate_types: row.get::<Vec<String>>(8)?,
                 event_ids: row.get::<Vec<String>>(9)?,
-                into: row.get::<String>(10)?,
+                to_stream: row.get::<String>(10)?,
                 max_rate: row.get::<i32>(11)?,
                 exact_streams: row.get::<bool>(12)?.unwrap_or(false),
             };
@@ -433,8 +433,8 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                         continue;
                     };
                     event.aggregate_seq = entry.seq;
-                    if let Some(into) = &replay.into {
-                        event.stream = Some(into.clone());
+                    if let Some(to_stream) = &replay.to_stream {
+                        event.stream = Some(to_stream.clone());
                     }
                     events.push(event);
                 }

@@ -175,7 +175,7 @@ COMMENT ON FUNCTION outbox._exclude_transactions_past_the_cap() IS
 COMMENT ON FUNCTION outbox._calling_role() IS
     'Internal: the role the caller acts as outside any SECURITY DEFINER function (outbox_mark_processed)';
 COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
-    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s into)';
+    'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s to_stream)';
 COMMENT ON FUNCTION outbox._wake_for_replay() IS
     'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';
 REVOKE ALL ON FUNCTION outbox._check_allowed_stream(text) FROM PUBLIC;

@@ -1291,6 +1291,23 @@ fn replay_cancel_and_repair_refuse_bad_arguments() {
     assert_eq!(Spi::get_one::<bool>("SELECT outbox.cancel_replay(424242)").unwrap(), Some(false));
 }
 
+/// outbox.replay's stream to send to is named without quotes (`into`, a reserved word, needed
+/// them), and it is what the request records and outbox.replays shows.
+#[pg_test]
+fn replay_to_stream_is_named_without_quotes() {
+    let id = Spi::get_one::<i64>("SELECT outbox.replay(since => now(), to_stream => 'history:payment')")
+        .unwrap()
+        .unwrap();
+    let shown = Spi::get_one_with_args::<String>("SELECT to_stream FROM outbox.replays WHERE id = $1", &[id.into()]);
+    assert_eq!(shown.unwrap().as_deref(), Some("history:payment"));
+    // Positional, as the README's signature lists it.
+    let id = Spi::get_one::<i64>("SELECT outbox.replay(now(), NULL, NULL, NULL, NULL, 'history:order')")
+        .unwrap()
+        .unwrap();
+    let shown = Spi::get_one_with_args::<String>("SELECT to_stream FROM outbox.replays WHERE id = $1", &[id.into()]);
+    assert_eq!(shown.unwrap().as_deref(), Some("history:order"));
+}
+
 /// repair_losses replays exactly the stream Redis lost (no glob, no comma, no trimming), and a
 /// loss counts in outbox.stats.redis_data_loss until a replay is done having replayed events: a
 /// repair that replayed nothing, was cancelled or refused by Redis does not repair it, and
