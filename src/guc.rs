@@ -445,7 +445,7 @@ pub fn init(preloading: bool) {
         GucRegistry::define_string_guc_with_hooks(
             c"outbox.cloudevents_source",
             c"The source attribute of CloudEvents entries (outbox.entry_format = cloudevents).",
-            c"{database}, {aggregate_type} and {event_type} are replaced by the event's values, percent-encoded.",
+            c"{database}, {aggregate_type} and {event_type} are replaced by the event's values, percent-encoded for the part of the URI they stand in.",
             &CLOUDEVENTS_SOURCE,
             GucContext::Suset,
             GucFlags::empty(),

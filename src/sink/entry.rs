@@ -30,11 +30,17 @@ pub struct EntrySettings {
 pub const SOURCE_PLACEHOLDERS: [&str; 3] = ["{database}", "{aggregate_type}", "{event_type}"];
 
 /// `outbox.cloudevents_source` for one event: each placeholder replaced, in one pass, by its value
-/// percent-encoded as a URI path segment (anything but letters, digits and `-._~!$&'()*+,;=:@`), so
-/// that the source stays a URI reference whatever a database or aggregate type is named, and a
-/// value is never expanded again. Any other text is kept as written.
+/// percent-encoded for the part of the URI reference it stands in (RFC 3986 sections 2.2, 3), so
+/// that the source stays a URI reference, with the same parts, whatever a database or type is
+/// named, and a value is never expanded again. Any other text is kept as written.
+///
+/// Kept as they are, besides letters, digits and `-._~`: in a path segment `!$&'()*+,;=:@`
+/// (`:` not in a relative reference's first segment, which would read as a scheme); in the
+/// authority `!$&'()*+,;=`; in the query and the fragment `!$'()*,:@`, so that `&`, `=`, `+` and
+/// `;` in a value never split a `key=value` pair. `/`, `?` and `#` are always encoded.
 pub fn render_source(template: &str, database: &str, aggregate_type: &str, event_type: &str) -> String {
     let values = [database, aggregate_type, event_type];
+    let layout = UriLayout::of(template);
     let mut out = String::with_capacity(template.len() + database.len() + aggregate_type.len());
     let mut rest = template;
     while let Some(open) = rest.find('{') {
@@ -42,7 +48,8 @@ pub fn render_source(template: &str, database: &str, aggregate_type: &str, event
         let tail = &rest[open..];
         match SOURCE_PLACEHOLDERS.iter().position(|placeholder| tail.starts_with(placeholder)) {
             Some(which) => {
-                percent_encode_segment(values[which], &mut out);
+                let at = template.len() - tail.len();
+                percent_encode(values[which], layout.part(at).kept(), &mut out);
                 rest = &tail[SOURCE_PLACEHOLDERS[which].len()..];
             }
             None => {
@@ -55,12 +62,83 @@ pub fn render_source(template: &str, database: &str, aggregate_type: &str, event
     out
 }
 
-fn percent_encode_segment(value: &str, out: &mut String) {
+/// The part of a URI reference (RFC 3986, section 3) a placeholder stands in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UriPart {
+    Scheme,
+    Authority,
+    /// The first segment of a relative reference's path: it cannot hold `:` (section 4.2).
+    FirstSegment,
+    Path,
+    Query,
+    Fragment,
+}
+
+impl UriPart {
+    /// The characters, besides letters and digits, a value keeps as they are in this part.
+    fn kept(self) -> &'static [u8] {
+        match self {
+            UriPart::Scheme => b"",
+            UriPart::Authority => b"-._~!$&'()*+,;=",
+            UriPart::FirstSegment => b"-._~!$&'()*+,;=@",
+            UriPart::Path => b"-._~!$&'()*+,;=:@",
+            UriPart::Query | UriPart::Fragment => b"-._~!$'()*,:@",
+        }
+    }
+}
+
+/// Where the parts of a template begin and end, found from its own delimiters (placeholders hold
+/// none, and their encoded values none either).
+struct UriLayout {
+    scheme_colon: Option<usize>,
+    authority_end: usize,
+    first_segment_end: usize,
+    query_at: usize,
+    fragment_at: usize,
+}
+
+impl UriLayout {
+    fn of(template: &str) -> UriLayout {
+        let fragment_at = template.find('#').unwrap_or(template.len());
+        let query_at = template[..fragment_at].find('?').unwrap_or(fragment_at);
+        let first_slash = template[..query_at].find('/').unwrap_or(query_at);
+        let scheme_colon = template[..first_slash].find(':');
+        let hier_start = scheme_colon.map_or(0, |colon| colon + 1);
+        let authority_end = match template[hier_start..query_at].strip_prefix("//") {
+            Some(authority) => authority.find('/').map_or(query_at, |end| hier_start + 2 + end),
+            None => hier_start,
+        };
+        let first_segment_end = if scheme_colon.is_none() && authority_end == 0 { first_slash } else { 0 };
+        UriLayout { scheme_colon, authority_end, first_segment_end, query_at, fragment_at }
+    }
+
+    /// The part the template's byte `at` stands in.
+    fn part(&self, at: usize) -> UriPart {
+        if at >= self.fragment_at {
+            UriPart::Fragment
+        } else if at >= self.query_at {
+            UriPart::Query
+        } else if self.scheme_colon.is_some_and(|colon| at < colon) {
+            UriPart::Scheme
+        } else if at < self.authority_end {
+            UriPart::Authority
+        } else if at < self.first_segment_end {
+            UriPart::FirstSegment
+        } else {
+            UriPart::Path
+        }
+    }
+}
+
+fn percent_encode(value: &str, kept: &[u8], out: &mut String) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     for byte in value.bytes() {
-        if byte.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@".contains(&byte) {
+        if byte.is_ascii_alphanumeric() || kept.contains(&byte) {
             out.push(byte as char);
         } else {
-            out.push_str(&format!("%{byte:02X}"));
+            out.push('%');
+            out.push(HEX[usize::from(byte >> 4)] as char);
+            out.push(HEX[usize::from(byte & 0xF)] as char);
         }
     }
 }
@@ -74,10 +152,16 @@ pub fn check_source_template(template: &str) -> Result<(), String> {
     if let Some(bad) = template.chars().find(|c| c.is_whitespace() || c.is_control()) {
         return Err(format!("it contains {bad:?}, which a URI reference cannot hold"));
     }
+    let layout = UriLayout::of(template);
     let mut rest = template;
     while let Some(at) = rest.find(['{', '}']) {
         let tail = &rest[at..];
         match SOURCE_PLACEHOLDERS.iter().find(|placeholder| tail.starts_with(*placeholder)) {
+            Some(placeholder) if layout.part(template.len() - tail.len()) == UriPart::Scheme => {
+                return Err(format!(
+                    "{template:?} has {placeholder} in its scheme (before its first ':'), where no value can be percent-encoded"
+                ));
+            }
             Some(placeholder) => rest = &tail[placeholder.len()..],
             None => {
                 let shown: String = match tail.find('}') {
@@ -88,8 +172,8 @@ pub fn check_source_template(template: &str) -> Result<(), String> {
             }
         }
     }
-    // What every event's source looks like: placeholders become percent-encoded path segments,
-    // which any part of a URI reference may hold; "x" stands for each.
+    // What every event's source looks like: each placeholder's value is encoded for the part it
+    // stands in, which makes it a valid piece of that part; "x" stands for each.
     let rendered = render_source(template, "x", "x", "x");
     check_uri_reference(&rendered).map_err(|why| format!("{template:?} is not a URI reference (RFC 3986): {why}"))
 }
@@ -453,6 +537,60 @@ mod tests {
         assert_eq!(render_source("/{database}/{x}", "my db/é", "a", "e"), "/my%20db%2F%C3%A9/{x}");
         // A value holding a placeholder is not expanded again.
         assert_eq!(render_source("/{aggregate_type}", "d", "{database}", "e"), "/%7Bdatabase%7D");
+    }
+
+    /// Issue 35, 9: each value is encoded for the part of the URI it stands in, so a query parser
+    /// reads in the query exactly the pairs the template wrote, whatever the value holds.
+    #[test]
+    fn placeholders_are_encoded_for_the_part_they_stand_in() {
+        let tricky = "acc.q&a=1 #ü?/x+y;z:w@v";
+        let source = render_source(
+            "https://events.example.com/{database}/{aggregate_type}?type={event_type}&v=1",
+            "acc",
+            tricky,
+            tricky,
+        );
+        assert_eq!(
+            source,
+            "https://events.example.com/acc/acc.q&a=1%20%23%C3%BC%3F%2Fx+y;z:w@v\
+             ?type=acc.q%26a%3D1%20%23%C3%BC%3F%2Fx%2By%3Bz:w@v&v=1"
+        );
+        let (_, query) = source.split_once('?').unwrap();
+        let pairs: Vec<(&str, &str)> =
+            query.split(['&', ';']).map(|pair| pair.split_once('=').unwrap_or((pair, ""))).collect();
+        assert_eq!(pairs, [("type", "acc.q%26a%3D1%20%23%C3%BC%3F%2Fx%2By%3Bz:w@v"), ("v", "1")]);
+        assert!(!pairs[0].1.contains('+'), "a + in a query reads as a blank");
+        // The fragment, even after a '?' of its own.
+        assert_eq!(
+            render_source("/x#{event_type}", "d", "a", tricky),
+            "/x#acc.q%26a%3D1%20%23%C3%BC%3F%2Fx%2By%3Bz:w@v"
+        );
+        assert_eq!(render_source("/x#f?t={event_type}", "d", "a", "a=b&c"), "/x#f?t=a%3Db%26c");
+        // A path segment keeps the sub-delimiters, ':' and '@' (RFC 3986, 3.3)...
+        assert_eq!(render_source("/p/{event_type}", "d", "a", "a=b&c+d;e:f@g"), "/p/a=b&c+d;e:f@g");
+        assert_eq!(render_source("urn:{event_type}", "d", "a", "x:y"), "urn:x:y");
+        // ...but not the first segment of a relative reference, where ':' would make a scheme.
+        assert_eq!(render_source("{database}/x", "a:b", "a", "e"), "a%3Ab/x");
+        assert_eq!(render_source("x/{database}", "a:b", "a", "e"), "x/a:b");
+        // The authority: ':' and '@' would make a port or user information.
+        assert_eq!(
+            render_source("https://{database}.example.com/e", "a:b@c", "a", "e"),
+            "https://a%3Ab%40c.example.com/e"
+        );
+        assert_eq!(render_source("//{database}/{database}", "a:b", "a", "e"), "//a%3Ab/a:b");
+        // Every rendering is a URI reference, whatever the values.
+        for template in [
+            "https://events.example.com/{database}/{aggregate_type}?type={event_type}&v=1",
+            "{database}/{aggregate_type}#{event_type}",
+            "//{database}:80/{aggregate_type}?{event_type}",
+            "urn:{database}",
+        ] {
+            let rendered = render_source(template, tricky, "\"<>\\^|`{}%", tricky);
+            assert_eq!(check_uri_reference(&rendered), Ok(()), "{rendered}");
+        }
+        // No value can be encoded in a scheme.
+        let error = check_source_template("{database}:x").unwrap_err();
+        assert!(error.contains("scheme") && error.contains("{database}"), "{error}");
     }
 
     #[test]
