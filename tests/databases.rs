@@ -377,6 +377,74 @@ fn a_relayed_database_can_be_copied_and_renamed_and_the_copy_waits_to_be_adopted
     redis.wait_for_entries("outbox:fresh", 1);
 }
 
+/// Issue 35, item 5: a copy finished the original's replay into the original's stream (a replay
+/// copied `running` was claimed by the copy's relays once adopted), and kept the original's stream
+/// marks and Redis losses as its own. adopt_copy leaves them to the original: the copied running
+/// replays are cancelled, saying why, and the marks and losses dropped.
+#[test]
+fn a_copy_leaves_the_originals_replays_marks_and_losses_to_it() {
+    let redis = Redis::start();
+    let pg = Cluster::start(redis.port, &["outbox.poll_interval = '200ms'"]);
+    let mut admin = pg.connect();
+    admin.batch_execute("CREATE DATABASE orig").unwrap();
+    let mut orig = pg.connect_to("orig");
+    orig.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    // More than a replay round holds (src/relay/replay.rs, ROUND_EVENTS).
+    orig.batch_execute("SELECT outbox_enqueue('item', (n % 10)::text, 'e', '{}') FROM generate_series(1, 2500) n")
+        .unwrap();
+    redis.wait_for_entries("outbox:item", 2500);
+    wait_for(DEADLINE, "the relay to store its mark of outbox:item", || {
+        (count(&mut orig, "SELECT count(*) FROM outbox.stream_marks WHERE stream = 'outbox:item'") == 1).then_some(())
+    });
+    // A replay slow enough to be running when copied (one round, then one event a second), and a
+    // loss.
+    let replay: i64 = orig
+        .query_one(
+            "SELECT outbox.replay(since => '-infinity', partial => true, to_stream => 'hist:orig', max_rate => 1)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    orig.batch_execute(
+        "INSERT INTO outbox.redis_losses (stream, expected_id, expected_at) VALUES ('outbox:gone', '1-0', now())",
+    )
+    .unwrap();
+    drop(orig);
+    admin.batch_execute("CREATE DATABASE copy2 TEMPLATE orig").unwrap();
+    admin.batch_execute("ALTER DATABASE copy2 SET outbox.stream = 'copy2:{aggregate_type}'").unwrap();
+
+    let mut copy = pg.connect_to("copy2");
+    let said: String = copy.query_one("SELECT outbox.adopt_copy()", &[]).unwrap().get(0);
+    let replay_in_copy = |copy: &mut postgres::Client| -> (String, i64, Option<String>) {
+        let row =
+            copy.query_one("SELECT state, replayed, last_error FROM outbox.replays WHERE id = $1", &[&replay]).unwrap();
+        (row.get(0), row.get(1), row.get(2))
+    };
+    let (state, replayed, why) = replay_in_copy(&mut copy);
+    assert_eq!(state, "cancelled", "the original's replay is not the copy's to finish");
+    assert!(why.as_deref().unwrap_or_default().contains("cancelled here by outbox.adopt_copy()"), "{why:?}");
+    assert!(said.contains("1 running cancelled here"), "{said}");
+    assert_eq!(count(&mut copy, "SELECT count(*) FROM outbox.replay_requests WHERE state = 'running'"), 0);
+    assert_eq!(count(&mut copy, "SELECT count(*) FROM outbox.stream_marks"), 0, "the original's marks");
+    assert_eq!(count(&mut copy, "SELECT count(*) FROM outbox.redis_losses"), 0, "the original's losses");
+    assert_eq!(count(&mut copy, "SELECT redis_data_loss FROM outbox.stats"), 0);
+
+    // The copy relays its own events, and nothing more of the replay.
+    admin.batch_execute("SELECT pg_reload_conf()").unwrap();
+    enqueue(&mut copy, "item", 1);
+    redis.wait_for_entries("copy2:item", 1);
+    assert_eq!(replay_in_copy(&mut copy), (state, replayed, why));
+    assert_eq!(count(&mut copy, "SELECT count(*) FROM outbox.stream_marks WHERE stream = 'outbox:item'"), 0);
+
+    // The original goes on with all of it.
+    let mut orig = pg.connect_to("orig");
+    let state: String = orig.query_one("SELECT state FROM outbox.replays WHERE id = $1", &[&replay]).unwrap().get(0);
+    assert_eq!(state, "running");
+    assert_eq!(count(&mut orig, "SELECT count(*) FROM outbox.redis_losses"), 1);
+    assert_eq!(count(&mut orig, "SELECT count(*) FROM outbox.stream_marks WHERE stream = 'outbox:item'"), 1);
+    assert!(orig.query_one("SELECT outbox.cancel_replay($1)", &[&replay]).unwrap().get::<_, bool>(0));
+}
+
 /// Issue 23, item 9: with `outbox.enabled = off`, the relay the launcher starts in every database to
 /// find out whether it has outbox_pg stayed connected to one without it, holding a worker slot and a
 /// shared-memory entry.

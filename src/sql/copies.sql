@@ -39,15 +39,20 @@ COMMENT ON FUNCTION outbox._database_created_by() IS
 --     told apart from the copy's own by transaction id (outbox._database_created_by). The counters
 --     are kept, so the copy's aggregates continue their numbering: point the copy at streams of
 --     its own first (outbox.stream, outbox.redis_url), or its aggregate_seqs collide with the
---     original's.
+--     original's. What the copy holds of the original's Redis stays the original's: the copied
+--     running replays (repairs too) are cancelled, with the reason in outbox.replays.last_error
+--     (the original finishes them; a replay the copy needs is asked for again, in the copy), and
+--     the copied stream marks and Redis losses are dropped (they describe the streams the original
+--     wrote; the copy's relays record their own).
 --
 -- Parameters:
 --     publish_copied_events  false (default): leave the copied undelivered events to the
 --                            original; true: publish them from here too
 -- Returns:
 --     a sentence saying what it did
--- Writes:  update outbox.shards (cursors, claims), outbox.held (skipped), outbox.installation;
---          delete outbox.snapshots
+-- Writes:  update outbox.shards (cursors, claims), outbox.held (skipped), outbox.installation,
+--          outbox.replay_requests (cancelled); delete outbox.snapshots, outbox.stream_marks,
+--          outbox.redis_losses
 -- Called by: admins (role outbox_admin), once, in the copy
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox.adopt_copy(publish_copied_events boolean DEFAULT false)
@@ -61,6 +66,7 @@ DECLARE
     here oid;
     created_by xid8;
     skipped bigint := 0;
+    cancelled bigint := 0;
 BEGIN
     SELECT i.database_oid INTO original FROM outbox.installation i;
     SELECT d.oid INTO here FROM pg_database d WHERE d.datname = current_database();
@@ -91,16 +97,28 @@ BEGIN
     -- The copied claims name the original's relays, which are alive in their own database.
     UPDATE outbox.shards SET claimed_by = NULL, claimed_at = NULL;
     DELETE FROM outbox.snapshots;
+    -- The copied replays (repairs too) are the original's, which goes on with them: finished here,
+    -- they would send its events a second time, to its streams (or to its history stream).
+    UPDATE outbox.replay_requests r
+       SET state = 'cancelled', finished_at = clock_timestamp(), claimed_by = NULL, claimed_at = NULL,
+           not_before = NULL,
+           last_error = format('copied from database oid %s, whose replay it is; cancelled here by outbox.adopt_copy()', original)
+     WHERE r.state = 'running';
+    GET DIAGNOSTICS cancelled = ROW_COUNT;
+    -- The marks and losses describe the streams the original wrote: checked from here they would
+    -- report the original's losses as the copy's (and repair_losses() would replay them).
+    DELETE FROM outbox.stream_marks;
+    DELETE FROM outbox.redis_losses;
     UPDATE outbox.installation SET database_oid = here, installed_at = clock_timestamp();
     RETURN CASE WHEN publish_copied_events
-                THEN format('adopted the copy of database oid %s; its undelivered events will be published from here too', original)
-                ELSE format('adopted the copy of database oid %s; its undelivered events are left to it (%s on the failure path skipped)', original, skipped)
+                THEN format('adopted the copy of database oid %s; its undelivered events will be published from here too; its replays are left to it (%s running cancelled here)', original, cancelled)
+                ELSE format('adopted the copy of database oid %s; its undelivered events are left to it (%s on the failure path skipped), and its replays (%s running cancelled here)', original, skipped, cancelled)
            END;
 END
 $fn$;
 
 COMMENT ON FUNCTION outbox.adopt_copy(boolean) IS
-    'Makes a copied outbox (CREATE DATABASE ... TEMPLATE) this database''s own, so that its relays publish; copied undelivered events are left to the original unless publish_copied_events';
+    'Makes a copied outbox (CREATE DATABASE ... TEMPLATE) this database''s own, so that its relays publish; copied undelivered events are left to the original unless publish_copied_events, copied running replays are cancelled, copied stream marks and Redis losses dropped';
 
 REVOKE ALL ON FUNCTION outbox._database_created_by() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.adopt_copy(boolean) FROM PUBLIC;
