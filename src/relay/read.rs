@@ -11,7 +11,7 @@ use pgrx::{PgBuiltInOids, PgOid};
 
 use crate::event::{OutboxEvent, TraceContext};
 use crate::log::counters;
-use crate::log::window::{read_shard, Budget, Snapshot};
+use crate::log::window::{read_shard, Budget, LogEvent, Snapshot};
 use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::state::{RoundState, Statement};
 use crate::relay::tick_settings::{Map, Set, TickSettings};
@@ -191,8 +191,6 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
         }
         Spi::connect_mut(|client| {
             let mut batch = Batch { installation, ..Batch::default() };
-            let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
-            let mut held_any = false;
             // The commit flags of the shards held last round, taken before the claim's snapshot:
             // a commit that flagged one of them was visible before it, so its events are in this
             // round's window. (Taken after, a commit between the two was flagged, taken, and not
@@ -200,85 +198,20 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             let held_before = state.held_shards;
             let flagged_before = shared::take_committed_shards(held_before);
             batch.flags_taken = flagged_before;
-            let mut claimed: Vec<Claimed> = Vec::new();
             let full_read = settings.full_read && after.is_none();
-            if let Some(kept) =
-                state.kept_claim(installation, settings.share, settings.lease, full_read, after.is_some())
-            {
-                // Nothing changes hands and the lease is fresh: only the cursors, the windows and
-                // the bounds are read, and only if the shards are still exactly the kept ones.
-                // After a round in flight, from where it leaves the shards it moves (their next
-                // cursors and window positions), as if it had finished.
-                let left: Vec<&ShardBatch> =
-                    after.map(|after| after.shards.iter().filter(|s| s.advance).collect()).unwrap_or_default();
-                let mut cursors: Vec<Option<String>> = vec![None; crate::enqueue::order::SHARDS as usize];
-                for shard in &left {
-                    cursors[shard.shard as usize] = Some(shard.next_cursor.clone());
-                }
-                for row in client.select(
-                    state.statements.get(client, Statement::Held, HELD, &HELD_TYPES)?,
-                    None,
-                    &[settings.pid.into(), cursors.into()],
-                )? {
-                    let shard = row.get::<i16>(1)?.unwrap_or_default();
-                    let stored = match row.get::<String>(3)? {
-                        Some(upto) => Some((upto, position(row.get::<i64>(4)?, row.get::<i64>(5)?))),
-                        None => None,
-                    };
-                    let window = match left.iter().find(|s| s.shard == shard) {
-                        Some(s) => s.window.clone().map(|(upto, position)| (upto, Some(position))),
-                        None => stored,
-                    };
-                    let now = row.get::<String>(6)?.unwrap_or_default();
-                    let recorded = row.get::<String>(7)?;
-                    // Like the claim: the window published in parts; else the first recorded
-                    // snapshot ahead of a lagging cursor; else now.
-                    let (upto, bounded, position) = match (window, recorded) {
-                        (Some((upto, position)), _) => (upto, false, position),
-                        (None, Some(recorded)) => (recorded, true, None),
-                        (None, None) => (now, false, None),
-                    };
-                    claimed.push(Claimed {
-                        shard,
-                        cursor: row.get::<String>(2)?.unwrap_or_default(),
-                        age_ms: 0,
-                        upto,
-                        bounded,
-                        position,
-                    });
-                }
-                if !claimed.iter().map(|c| c.shard).eq(kept.iter().copied()) {
-                    state.forget_kept_claim();
-                    claimed.clear();
-                }
-            }
+            let mut claimed =
+                match state.kept_claim(installation, settings.share, settings.lease, full_read, after.is_some()) {
+                    Some(kept) => read_kept_claim(client, &settings, state, after, &kept)?,
+                    None => Vec::new(),
+                };
             if after.is_some() && claimed.is_empty() {
                 // The shards changed hands meanwhile: read after that round has finished.
                 batch.give_back();
                 return Ok(Read::Postponed);
             }
+            let mut held_any = false;
             if claimed.is_empty() {
-                for row in client.update(
-                    state.statements.get(client, Statement::Claim, CLAIM, &CLAIM_TYPES)?,
-                    None,
-                    &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()],
-                )? {
-                    claimed.push(Claimed {
-                        shard: row.get::<i16>(1)?.unwrap_or_default(),
-                        cursor: row.get::<String>(2)?.unwrap_or_default(),
-                        age_ms: row.get::<i64>(3)?.unwrap_or_default(),
-                        // The end of the window being published in parts; or now (taken after
-                        // the claim: the reads below see every transaction it shows as
-                        // committed), or a recorded snapshot for a lagging shard: then more
-                        // follows at once.
-                        upto: row.get::<String>(4)?.unwrap_or_default(),
-                        bounded: row.get::<bool>(6)?.unwrap_or(false),
-                        position: position(row.get::<i64>(7)?, row.get::<i64>(8)?),
-                    });
-                    held_any = row.get::<bool>(5)?.unwrap_or(true);
-                }
-                let keepable = !held_any;
-                state.keep_claim(installation, settings.share, claimed.iter().map(|c| c.shard).collect(), keepable);
+                (claimed, held_any) = claim_shards(client, &settings, state, installation)?;
             }
             // Outside a full read, only the shards that commits flagged since the last round,
             // those this relay did not hold then, those publishing a window in parts, and those
@@ -303,66 +236,15 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             claimed.retain(|c| {
                 full || c.position.is_some() || c.bounded || flagged & (1u32 << (c.shard as u32 % 32)) != 0
             });
-            let limit = settings.batch_size.min(i32::MAX as usize) as i32;
             batch.catching_up = claimed.iter().any(|c| c.bounded);
             batch.more |= batch.catching_up;
             // Windows that fit are read whole first; windows published in parts share what is
             // left of the round's allowance (src/log/window.rs). Each kind from the shard the
             // last round's allowance did not reach, so that shards lagging together take turns.
             claimed.sort_by_key(|c| allowance_order(c.shard, c.position.is_some(), state.first_shard));
-            let mut first_unread = None;
-            let mut budget = Budget::round_of(state.allowance.events());
-            let mut log = Vec::new();
-            let mut unread = 0u32;
-            for c in &claimed {
-                let parse = |text: &str| {
-                    Snapshot::parse(text).unwrap_or_else(|| {
-                        error!("outbox_pg: shard {}'s cursor or snapshot {text:?} is not a pg_snapshot", c.shard)
-                    })
-                };
-                let (cursor, upto) = (parse(&c.cursor), parse(&c.upto));
-                let read = read_shard(c.shard, &cursor, &upto, c.position, &mut budget, &mut state.plans);
-                // A lagging shard steps to its recorded snapshot even when that window is empty:
-                // its next window then starts from there.
-                let advance = !read.events.is_empty()
-                    || (read.complete && (c.bounded || c.position.is_some()))
-                    || (read.complete && full && Duration::from_millis(c.age_ms as u64) >= IDLE_CURSOR_MOVE)
-                    || (!read.complete && c.position.is_none() && read.position.is_some());
-                // A window published in parts may end at a recorded snapshot: the claim that began
-                // it found the shard lagging, and the rounds that went on with it see only the
-                // window (and a kept claim reads only flagged shards). So its last part says
-                // `more`, and the next round reads every shard at once; else what was committed
-                // after that snapshot waited for the next full read, a poll interval later.
-                batch.more |= !read.complete || c.position.is_some();
-                if !read.complete && read.position.is_none() {
-                    // The round's allowance ran out before this shard: nothing of it was read and
-                    // no position is stored, so only a flag sends the next round (a read on the
-                    // kept claim reads flagged shards only) back to it.
-                    unread |= 1u32 << (c.shard as u32 % 32);
-                }
-                if !read.complete && read.events.is_empty() {
-                    // The allowance ran out before this shard, whether or not a window of it is
-                    // being published in parts (found by attack: only shards with no stored
-                    // position counted, so two windows in parts did not take turns).
-                    first_unread = first_unread.or(Some(c.shard));
-                }
-                let window = (!read.complete).then(|| (c.upto.clone(), read.position.unwrap_or((i64::MIN, i64::MIN))));
-                batch.shards.push(ShardBatch {
-                    shard: c.shard,
-                    next_cursor: if read.complete { c.upto.clone() } else { c.cursor.clone() },
-                    window,
-                    advance,
-                });
-                crate::log::window::flush_commits(read.events.iter().map(|row| row.txid));
-                log.extend(read.events);
-            }
-            if unread != 0 {
-                shared::mark_shards_committed(unread);
-            }
-            if let Some(shard) = first_unread {
-                state.first_shard = shard;
-            }
+            let log = read_windows(&claimed, full, &mut batch, state);
             if held_any {
+                let limit = settings.batch_size.min(i32::MAX as usize) as i32;
                 let held =
                     client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
                 for row in held {
@@ -370,54 +252,222 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
                 }
             }
             batch.more |= batch.held_due.len() >= settings.batch_size;
-            // Each shard's events in its publish order, which is commit order for every aggregate
-            // (src/log/window.rs); the shards' interleave by the same key, which keeps each one's order.
-            log.sort_unstable_by_key(|event| event.position());
-            let mut log: Vec<OutboxEvent> = log.into_iter().map(|row| row.event).collect();
-            let aggregates = distinct_aggregates(&log);
-            if !aggregates.is_empty() {
-                let mut found = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
-                if let Some(after) = after {
-                    // That round's counters, as its finish will have written them.
-                    let left: Map<(&str, &str), i64> =
-                        after.counters.iter().map(|(t, i, seq, _)| ((t.as_str(), i.as_str()), *seq)).collect();
-                    for ((t, i), seq) in aggregates.iter().zip(found.iter_mut()) {
-                        if let Some(&left) = left.get(&(t.as_str(), i.as_str())) {
-                            *seq = Some(seq.unwrap_or(0).max(left));
-                        }
-                    }
-                }
-                let counted: Vec<bool> = found.iter().map(Option::is_some).collect();
-                let mut last_seq: Vec<i64> = found.into_iter().map(|seq| seq.unwrap_or(0)).collect();
-                let mut waiting = Set::default();
-                if settings.in_order && held_any {
-                    let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
-                    let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
-                    for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
-                        waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
-                    }
-                }
-                let index: Map<(&str, &str), usize> =
-                    aggregates.iter().enumerate().map(|(n, (t, i))| ((t.as_str(), i.as_str()), n)).collect();
-                for event in &mut log {
-                    let position = index[&(event.aggregate_type.as_str(), event.aggregate_id.as_str())];
-                    last_seq[position] += 1;
-                    event.aggregate_seq = last_seq[position];
-                    if waiting.contains(&position) {
-                        batch.diverted.insert(event.id);
-                    }
-                }
-                batch.counters = aggregates
-                    .into_iter()
-                    .zip(last_seq)
-                    .zip(counted)
-                    .map(|(((t, i), seq), counted)| (t, i, seq, counted))
-                    .collect();
-            }
-            batch.events = log;
+            batch.events = number_events(client, log, &mut batch, after, &settings, held_any, shards)?;
             Ok(Read::Batch(batch))
         })
     })
+}
+
+/// The shards of a claim kept from an earlier round, as the claim would give them, or none when they
+/// are no longer exactly the kept ones (the claim is then forgotten).
+fn read_kept_claim(
+    client: &mut pgrx::spi::SpiClient<'_>,
+    settings: &TickSettings,
+    state: &mut RoundState,
+    after: Option<&Batch>,
+    kept: &[i16],
+) -> Result<Vec<Claimed>, pgrx::spi::Error> {
+    // Nothing changes hands and the lease is fresh: only the cursors, the windows and
+    // the bounds are read, and only if the shards are still exactly the kept ones.
+    // After a round in flight, from where it leaves the shards it moves (their next
+    // cursors and window positions), as if it had finished.
+    let mut claimed: Vec<Claimed> = Vec::new();
+    let left: Vec<&ShardBatch> =
+        after.map(|after| after.shards.iter().filter(|s| s.advance).collect()).unwrap_or_default();
+    let mut cursors: Vec<Option<String>> = vec![None; crate::enqueue::order::SHARDS as usize];
+    for shard in &left {
+        cursors[shard.shard as usize] = Some(shard.next_cursor.clone());
+    }
+    for row in client.select(
+        state.statements.get(client, Statement::Held, HELD, &HELD_TYPES)?,
+        None,
+        &[settings.pid.into(), cursors.into()],
+    )? {
+        let shard = row.get::<i16>(1)?.unwrap_or_default();
+        let stored = match row.get::<String>(3)? {
+            Some(upto) => Some((upto, position(row.get::<i64>(4)?, row.get::<i64>(5)?))),
+            None => None,
+        };
+        let window = match left.iter().find(|s| s.shard == shard) {
+            Some(s) => s.window.clone().map(|(upto, position)| (upto, Some(position))),
+            None => stored,
+        };
+        let now = row.get::<String>(6)?.unwrap_or_default();
+        let recorded = row.get::<String>(7)?;
+        // Like the claim: the window published in parts; else the first recorded
+        // snapshot ahead of a lagging cursor; else now.
+        let (upto, bounded, position) = match (window, recorded) {
+            (Some((upto, position)), _) => (upto, false, position),
+            (None, Some(recorded)) => (recorded, true, None),
+            (None, None) => (now, false, None),
+        };
+        claimed.push(Claimed {
+            shard,
+            cursor: row.get::<String>(2)?.unwrap_or_default(),
+            age_ms: 0,
+            upto,
+            bounded,
+            position,
+        });
+    }
+    if !claimed.iter().map(|c| c.shard).eq(kept.iter().copied()) {
+        state.forget_kept_claim();
+        claimed.clear();
+    }
+    Ok(claimed)
+}
+
+/// Claims this relay's share of the shards (outbox._claim_shards: SKIP LOCKED, a lease) and keeps
+/// the claim for the next rounds when the failure path holds nothing in them; also whether it does.
+fn claim_shards(
+    client: &mut pgrx::spi::SpiClient<'_>,
+    settings: &TickSettings,
+    state: &mut RoundState,
+    installation: pg_sys::Oid,
+) -> Result<(Vec<Claimed>, bool), pgrx::spi::Error> {
+    let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
+    let mut claimed: Vec<Claimed> = Vec::new();
+    let mut held_any = false;
+    for row in client.update(
+        state.statements.get(client, Statement::Claim, CLAIM, &CLAIM_TYPES)?,
+        None,
+        &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()],
+    )? {
+        claimed.push(Claimed {
+            shard: row.get::<i16>(1)?.unwrap_or_default(),
+            cursor: row.get::<String>(2)?.unwrap_or_default(),
+            age_ms: row.get::<i64>(3)?.unwrap_or_default(),
+            // The end of the window being published in parts; or now (taken after
+            // the claim: the reads below see every transaction it shows as
+            // committed), or a recorded snapshot for a lagging shard: then more
+            // follows at once.
+            upto: row.get::<String>(4)?.unwrap_or_default(),
+            bounded: row.get::<bool>(6)?.unwrap_or(false),
+            position: position(row.get::<i64>(7)?, row.get::<i64>(8)?),
+        });
+        held_any = row.get::<bool>(5)?.unwrap_or(true);
+    }
+    let keepable = !held_any;
+    state.keep_claim(installation, settings.share, claimed.iter().map(|c| c.shard).collect(), keepable);
+    Ok((claimed, held_any))
+}
+
+/// Reads each claimed shard's window, as much as the round's allowance takes, into the batch's
+/// shards; returns the events read. Flags the shards the allowance did not reach, so that the next
+/// round comes back to them, and starts the next round's allowance at the first of them.
+fn read_windows(claimed: &[Claimed], full: bool, batch: &mut Batch, state: &mut RoundState) -> Vec<LogEvent> {
+    let mut first_unread = None;
+    let mut budget = Budget::round_of(state.allowance.events());
+    let mut log = Vec::new();
+    let mut unread = 0u32;
+    for c in claimed {
+        let parse = |text: &str| {
+            Snapshot::parse(text).unwrap_or_else(|| {
+                error!("outbox_pg: shard {}'s cursor or snapshot {text:?} is not a pg_snapshot", c.shard)
+            })
+        };
+        let (cursor, upto) = (parse(&c.cursor), parse(&c.upto));
+        let read = read_shard(c.shard, &cursor, &upto, c.position, &mut budget, &mut state.plans);
+        // A lagging shard steps to its recorded snapshot even when that window is empty:
+        // its next window then starts from there.
+        let advance = !read.events.is_empty()
+            || (read.complete && (c.bounded || c.position.is_some()))
+            || (read.complete && full && Duration::from_millis(c.age_ms as u64) >= IDLE_CURSOR_MOVE)
+            || (!read.complete && c.position.is_none() && read.position.is_some());
+        // A window published in parts may end at a recorded snapshot: the claim that began
+        // it found the shard lagging, and the rounds that went on with it see only the
+        // window (and a kept claim reads only flagged shards). So its last part says
+        // `more`, and the next round reads every shard at once; else what was committed
+        // after that snapshot waited for the next full read, a poll interval later.
+        batch.more |= !read.complete || c.position.is_some();
+        if !read.complete && read.position.is_none() {
+            // The round's allowance ran out before this shard: nothing of it was read and
+            // no position is stored, so only a flag sends the next round (a read on the
+            // kept claim reads flagged shards only) back to it.
+            unread |= 1u32 << (c.shard as u32 % 32);
+        }
+        if !read.complete && read.events.is_empty() {
+            // The allowance ran out before this shard, whether or not a window of it is
+            // being published in parts (found by attack: only shards with no stored
+            // position counted, so two windows in parts did not take turns).
+            first_unread = first_unread.or(Some(c.shard));
+        }
+        let window = (!read.complete).then(|| (c.upto.clone(), read.position.unwrap_or((i64::MIN, i64::MIN))));
+        batch.shards.push(ShardBatch {
+            shard: c.shard,
+            next_cursor: if read.complete { c.upto.clone() } else { c.cursor.clone() },
+            window,
+            advance,
+        });
+        crate::log::window::flush_commits(read.events.iter().map(|row| row.txid));
+        log.extend(read.events);
+    }
+    if unread != 0 {
+        shared::mark_shards_committed(unread);
+    }
+    if let Some(shard) = first_unread {
+        state.first_shard = shard;
+    }
+    log
+}
+
+/// The events in publish order, each numbered in its aggregate (`aggregate_seq`, from the counters,
+/// or from the round in flight `after` as its finish will leave them), and those whose aggregate
+/// waits on the failure path diverted to it; the batch gets the counters its finish writes.
+fn number_events(
+    client: &mut pgrx::spi::SpiClient<'_>,
+    mut log: Vec<LogEvent>,
+    batch: &mut Batch,
+    after: Option<&Batch>,
+    settings: &TickSettings,
+    held_any: bool,
+    shards: Vec<i16>,
+) -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
+    // Each shard's events in its publish order, which is commit order for every aggregate
+    // (src/log/window.rs); the shards' interleave by the same key, which keeps each one's order.
+    log.sort_unstable_by_key(|event| event.position());
+    let mut log: Vec<OutboxEvent> = log.into_iter().map(|row| row.event).collect();
+    let aggregates = distinct_aggregates(&log);
+    if !aggregates.is_empty() {
+        let mut found = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
+        if let Some(after) = after {
+            // That round's counters, as its finish will have written them.
+            let left: Map<(&str, &str), i64> =
+                after.counters.iter().map(|(t, i, seq, _)| ((t.as_str(), i.as_str()), *seq)).collect();
+            for ((t, i), seq) in aggregates.iter().zip(found.iter_mut()) {
+                if let Some(&left) = left.get(&(t.as_str(), i.as_str())) {
+                    *seq = Some(seq.unwrap_or(0).max(left));
+                }
+            }
+        }
+        let counted: Vec<bool> = found.iter().map(Option::is_some).collect();
+        let mut last_seq: Vec<i64> = found.into_iter().map(|seq| seq.unwrap_or(0)).collect();
+        let mut waiting = Set::default();
+        if settings.in_order && held_any {
+            let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
+            let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
+            for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
+                waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
+            }
+        }
+        let index: Map<(&str, &str), usize> =
+            aggregates.iter().enumerate().map(|(n, (t, i))| ((t.as_str(), i.as_str()), n)).collect();
+        for event in &mut log {
+            let position = index[&(event.aggregate_type.as_str(), event.aggregate_id.as_str())];
+            last_seq[position] += 1;
+            event.aggregate_seq = last_seq[position];
+            if waiting.contains(&position) {
+                batch.diverted.insert(event.id);
+            }
+        }
+        batch.counters = aggregates
+            .into_iter()
+            .zip(last_seq)
+            .zip(counted)
+            .map(|(((t, i), seq), counted)| (t, i, seq, counted))
+            .collect();
+    }
+    Ok(log)
 }
 
 /// The distinct aggregates of `events`, in order of first appearance.
