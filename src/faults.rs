@@ -16,6 +16,10 @@
 //! `out_of_memory_after_publish`: at the same point, the relay asks its Rust heap for 1 GiB
 //! (tests/losses.rs runs it under an address-space limit): what the library does when an
 //! allocation fails (src/allocator.rs).
+//!
+//! `outbox.fault_injection = slow_relay_start`: every relay pauses a second after it connected to
+//! its database and before it starts, so that a test can run a statement in that window (a relay
+//! connected before `CREATE DATABASE ... TEMPLATE` locked the database must still step aside).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -37,6 +41,9 @@ pub enum Fault {
     /// At the same point, allocate 1 GiB in the Rust heap (once per arming).
     #[name = c"out_of_memory_after_publish"]
     OutOfMemoryAfterPublish,
+    /// Pause a second after connecting, before starting (every relay start).
+    #[name = c"slow_relay_start"]
+    SlowRelayStart,
 }
 
 /// `outbox.fault_injection` (default `none`, reload, superuser only).
@@ -50,8 +57,8 @@ static FIRED: PgAtomic<AtomicBool> = unsafe { PgAtomic::new(c"outbox_pg_fault_fi
 pub fn define_setting() {
     GucRegistry::define_enum_guc(
         c"outbox.fault_injection",
-        c"Failure the relay injects, for tests and demos: none, crash_after_publish, crash_after_finish or out_of_memory_after_publish.",
-        c"crash_after_publish makes a relay exit once, right after Redis accepted a round and before it is finished.",
+        c"Failure the relay injects, for tests and demos: none, crash_after_publish, crash_after_finish, out_of_memory_after_publish or slow_relay_start.",
+        c"crash_after_publish makes a relay exit once, right after Redis accepted a round and before it is finished; slow_relay_start makes every relay pause a second between connecting and starting.",
         &FAULT,
         GucContext::Sighup,
         GucFlags::SUPERUSER_ONLY,
@@ -78,7 +85,7 @@ pub fn after_publish(published: usize) {
         return;
     }
     match fault {
-        Fault::None | Fault::CrashAfterFinish => {}
+        Fault::None | Fault::CrashAfterFinish | Fault::SlowRelayStart => {}
         Fault::CrashAfterPublish => {
             log!("outbox_pg: outbox.fault_injection = crash_after_publish: exiting after publishing {published} events, before finishing the round");
             // SAFETY: ends the process the way PostgreSQL expects; no transaction is open.
@@ -104,4 +111,15 @@ pub fn after_finish(published: usize) {
         pg_sys::XLogFlush(pg_sys::GetXLogInsertRecPtr());
         libc::kill(libc::getpid(), libc::SIGKILL);
     }
+}
+
+/// Right after a relay connected to its database, before it registers and starts.
+pub fn relay_connected() {
+    if FAULT.get() != Fault::SlowRelayStart {
+        return;
+    }
+    log!("outbox_pg: outbox.fault_injection = slow_relay_start: pausing a second before starting");
+    // SAFETY: a plain sleep, outside any transaction; interrupts are processed after it.
+    unsafe { pg_sys::pg_usleep(1_000_000) };
+    pgrx::check_for_interrupts!();
 }

@@ -22,6 +22,16 @@ fn relays_in(admin: &mut postgres::Client, database: &str) -> i64 {
         .get(0)
 }
 
+/// Pids of the relays connected to `database`.
+fn relay_pids_in(admin: &mut postgres::Client, database: &str) -> Vec<i32> {
+    admin
+        .query("SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay' AND datname = $1", &[&database])
+        .unwrap()
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
 fn wait_relays_in(admin: &mut postgres::Client, database: &str, expected: i64) {
     wait_for(DEADLINE, &format!("{expected} relays in database {database}"), || {
         (relays_in(admin, database) == expected).then_some(())
@@ -463,4 +473,51 @@ fn a_paused_probe_leaves_a_database_without_the_extension() {
         pg.log().contains("extension outbox_pg is not installed in database \"plain\"").then_some(())
     });
     wait_relays_in(&mut admin, "plain", 0);
+}
+
+/// Issue 35, item 7: back-to-back `CREATE DATABASE ... TEMPLATE` of a relayed database failed now
+/// and then ("being accessed by other users"): a relay the launcher had just restarted connected
+/// before the copy locked the database, then cleared the copy's request to step aside as it
+/// registered and stayed. Now a request holds until the copying transaction ends, a relay that
+/// connects meanwhile leaves at once, and the launcher starts none. `slow_relay_start` holds every
+/// relay a second between connecting and starting, so that each restart leaves a relay in that
+/// window: one is terminated right before some of the copies, and the others follow one another
+/// while the relays stepped aside for the previous copy come back.
+#[test]
+fn twenty_copies_in_a_row_succeed_while_relays_restart() {
+    let redis = Redis::start();
+    let pg = Cluster::start(
+        redis.port,
+        &[
+            "outbox.workers = 2",
+            "outbox.databases = 'ownerdb'",
+            "outbox.poll_interval = '200ms'",
+            "outbox.fault_injection = 'slow_relay_start'",
+        ],
+    );
+    let mut admin = pg.connect();
+    admin.batch_execute("CREATE DATABASE ownerdb").unwrap();
+    pg.connect_to("ownerdb").batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    wait_relays_in(&mut admin, "ownerdb", 2);
+    for n in 0..20 {
+        if n % 4 == 1 {
+            // Terminate a running relay and wait until its replacement is connected, in its pause.
+            let before = wait_for(DEADLINE, "a relay to run in ownerdb", || {
+                let pids = relay_pids_in(&mut admin, "ownerdb");
+                (!pids.is_empty()).then_some(pids)
+            });
+            admin.execute("SELECT pg_terminate_backend($1)", &[&before[0]]).unwrap();
+            wait_for(DEADLINE, "the terminated relay's replacement to connect", || {
+                let pids = relay_pids_in(&mut admin, "ownerdb");
+                pids.iter().any(|pid| !before.contains(pid)).then_some(())
+            });
+        }
+        admin
+            .batch_execute(&format!("CREATE DATABASE c{n} TEMPLATE ownerdb"))
+            .unwrap_or_else(|e| panic!("copy {n}: {:?}; log:\n{}", e.as_db_error(), pg.log()));
+    }
+    // The relays come back and deliver.
+    wait_relays_in(&mut admin, "ownerdb", 2);
+    enqueue(&mut pg.connect_to("ownerdb"), "after_copies", 1);
+    redis.wait_for_entries("outbox:after_copies", 1);
 }

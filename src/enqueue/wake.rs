@@ -54,6 +54,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
     match event {
         pg_sys::XactEvent::XACT_EVENT_COMMIT | pg_sys::XactEvent::XACT_EVENT_PARALLEL_COMMIT => {
             crate::enqueue::order::transaction_ended();
+            shared::end_step_aside();
             if RESCAN_AT_COMMIT.with(|rescan| rescan.replace(false)) {
                 shared::request_rescan();
             }
@@ -75,6 +76,7 @@ unsafe extern "C-unwind" fn on_xact_event(event: pg_sys::XactEvent::Type, _arg: 
         | pg_sys::XactEvent::XACT_EVENT_PARALLEL_ABORT
         | pg_sys::XactEvent::XACT_EVENT_PREPARE => {
             crate::enqueue::order::transaction_ended();
+            shared::end_step_aside();
             ENQUEUED_IN_XACT.with(|armed| armed.set(0));
             RESCAN_AT_COMMIT.with(|rescan| rescan.set(false));
             REPLAY_AT_COMMIT.with(|replay| replay.set(false));

@@ -17,8 +17,10 @@
 //!   `ALTER DATABASE ... RENAME TO` and `ALTER DATABASE ... SET TABLESPACE` refuse the same way
 //!   while anyone is connected to the database they copy or change, and have no object-access
 //!   event before they count: the utility hook asks the relays to step aside before PostgreSQL
-//!   runs them. A relay started meanwhile waits at its connection (they lock the database against
-//!   new sessions while they work) and runs once they are done.
+//!   runs them. The request holds until the asking transaction ends (src/shared, `step_aside_by`):
+//!   a relay started meanwhile waits at its connection (they lock the database against new
+//!   sessions while they work) and runs once they are done, or, connected just before the lock,
+//!   finds the request and exits; the launcher starts none while it holds.
 //! - **`COMMIT PREPARED`**: a prepared transaction that enqueued commits in whatever session runs
 //!   `COMMIT PREPARED`, which enqueued nothing: the utility hook makes that session's commit wake
 //!   the relays (every shard), so such events do not wait for the poll interval.
@@ -172,7 +174,7 @@ unsafe extern "C-unwind" fn on_object_access(
         && shared::entry_of(object_id).is_some()
     {
         // Only shared atomics and SetLatch: nothing here can fail. If the drop fails after this
-        // (other sessions stay connected), the relays come back within about a second.
+        // (other sessions stay connected), the relays come back once its transaction has ended.
         shared::request_step_aside(object_id);
     }
 }

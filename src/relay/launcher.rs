@@ -299,6 +299,12 @@ impl Served {
                         timeout = timeout.min(*not_before - now);
                         continue;
                     }
+                    // A statement that needs the database without sessions (a copy, a rename)
+                    // runs: its transaction's end wakes the launcher.
+                    if shared::step_aside_pending(self.entry) {
+                        timeout = timeout.min(RELAUNCH_DELAY);
+                        continue;
+                    }
                     // A relay left over from a previous launcher (which was terminated) still runs.
                     if shared::relay_pid_at(self.entry, index).is_some_and(process_alive) {
                         running += 1;

@@ -145,6 +145,13 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         Err(error) => (format!("oid {}", database_oid.to_u32()), error),
     };
 
+    #[cfg(feature = "fault-injection")]
+    crate::faults::relay_connected();
+    if shared::step_aside_requested() {
+        // Connected just before a statement that needs the database without sessions locked it.
+        log!("outbox_pg relay {slot}: database \"{database}\" is being dropped, renamed or copied; stepping aside");
+        return;
+    }
     if !shared::register_relay(slot) {
         // The launcher gave up on this database meanwhile (dropped, filtered out).
         return;

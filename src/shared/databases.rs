@@ -53,6 +53,11 @@ pub struct DatabaseShared {
     /// live round.
     pub(super) repairs_raised: AtomicU64,
     pub(super) repairs_seen: AtomicU64,
+    /// Process id of a backend running a statement that needs the database without sessions
+    /// (`DROP DATABASE`, `CREATE DATABASE ... TEMPLATE`, `ALTER DATABASE ... RENAME` or `SET
+    /// TABLESPACE`), 0 when none: until that backend's transaction ends, the relays connected to it
+    /// leave, a relay that connects leaves at once, and the launcher starts none.
+    pub(super) step_aside_by: AtomicI32,
 }
 
 // SAFETY: only atomics, which all-zero bytes make valid (0, false, null), shared by processes.

@@ -23,8 +23,8 @@ pub mod databases;
 pub mod in_flight;
 pub mod sized;
 
+use databases::DATABASES;
 pub use databases::{database_entries, entry_of, this_entry, DatabaseShared, MAX_RELAYS};
-use databases::{my_database, DATABASES};
 
 /// Shared memory per database entry: its state, its error text, its relays' rounds in flight.
 pub const ENTRY_BYTES: usize =
@@ -43,9 +43,6 @@ pub enum ExtensionState {
 /// What the whole cluster shares besides the entries.
 #[derive(Default)]
 pub struct RelayShared {
-    /// A database being dropped (its OID), set by the drop hook in the dropping backend: the relays
-    /// connected to it exit so that DROP DATABASE does not find them there. 0 when none.
-    step_aside_for: AtomicU32,
     /// The launcher's `PGPROC`, 0 while it does not run: set to wake it for a rescan.
     launcher_proc: AtomicUsize,
     /// Set by the launcher while every entry serves a database with outbox_pg and a database it
@@ -175,6 +172,7 @@ pub fn claim_entry(database: pg_sys::Oid) -> Option<usize> {
     state.replay_requested.store(true, Ordering::SeqCst);
     state.repairs_seen.store(0, Ordering::SeqCst);
     state.repairs_raised.store(1, Ordering::SeqCst);
+    state.step_aside_by.store(0, Ordering::SeqCst);
     crate::shared::in_flight::reset(entry);
     // Last: from now on backends in that database find the entry.
     state.database.store(database.to_u32(), Ordering::SeqCst);
@@ -303,6 +301,11 @@ pub fn rescan_generation() -> u32 {
 /// database it found without the extension. No lock, no allocation, no error (commit callback).
 pub fn request_rescan() {
     RELAY.get().rescan_generation.fetch_add(1, Ordering::SeqCst);
+    wake_launcher();
+}
+
+/// Sets the launcher's latch, if it runs. No lock, no allocation, no error.
+fn wake_launcher() {
     let proc = RELAY.get().launcher_proc.load(Ordering::SeqCst) as *mut pg_sys::PGPROC;
     if !proc.is_null() {
         // SAFETY: as in `set_latches`: a PGPROC stays a valid PGPROC for the life of the cluster.
@@ -386,9 +389,6 @@ pub fn register_relay(slot: usize) -> bool {
     let proc = unsafe { pg_sys::MyProc } as usize;
     // SAFETY: MyProcPid is set for every backend.
     let pid = unsafe { pg_sys::MyProcPid };
-    // Connected, so a drop of this database that asked relays to step aside has failed (the
-    // connection waited for it to end): the request is void.
-    let _ = RELAY.get().step_aside_for.compare_exchange(my_database(), 0, Ordering::SeqCst, Ordering::SeqCst);
     here.relay_alive_at[slot].store(now_us(), Ordering::SeqCst);
     here.relay_pid[slot].store(pid, Ordering::SeqCst);
     here.relay_proc[slot].store(proc, Ordering::SeqCst);
@@ -514,18 +514,49 @@ pub fn add_published(events: i64) {
     }
 }
 
-/// Asks the relays connected to `database` to exit (it is being dropped), and wakes them.
-pub fn request_step_aside(database: pg_sys::Oid) {
-    RELAY.get().step_aside_for.store(database.to_u32(), Ordering::SeqCst);
-    if let Some(entry) = entry_of(database) {
-        set_latches(&DATABASES.get()[entry]);
-    }
+thread_local! {
+    /// The entry whose relays this backend asked to step aside, until its transaction ends.
+    static STEPPING_ASIDE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether the database this relay is connected to is being dropped.
+/// Asks the relays of `database` (if it is relayed) to step aside until the current transaction
+/// ends: those connected exit, one that connects meanwhile exits at once, and the launcher starts
+/// none. The statement that asks holds a lock that keeps new sessions out only once it runs, and a
+/// relay the launcher had just started may have connected before that: it must see the request
+/// too, however late it gets to look. No lock, no allocation, no error (the drop hook).
+pub fn request_step_aside(database: pg_sys::Oid) {
+    let Some(entry) = entry_of(database) else { return };
+    // SAFETY: MyProcPid is set for every backend.
+    let pid = unsafe { pg_sys::MyProcPid };
+    DATABASES.get()[entry].step_aside_by.store(pid, Ordering::SeqCst);
+    STEPPING_ASIDE.set(Some(entry));
+    set_latches(&DATABASES.get()[entry]);
+}
+
+/// At the end of every transaction (src/enqueue/wake.rs): a request this backend made is over
+/// (the statement is done or failed, and its lock is released right after), and the launcher is
+/// woken to start the relays again. No lock, no allocation, no error.
+pub fn end_step_aside() {
+    let Some(entry) = STEPPING_ASIDE.take() else { return };
+    // SAFETY: MyProcPid is set for every backend.
+    let pid = unsafe { pg_sys::MyProcPid };
+    // Another backend's request on the same database stays.
+    let _ = DATABASES.get()[entry].step_aside_by.compare_exchange(pid, 0, Ordering::SeqCst, Ordering::SeqCst);
+    wake_launcher();
+}
+
+/// Whether a backend's statement needs the database of `entry` without sessions. A request whose
+/// backend is gone (its transaction's end always clears it, so only a backend that crashed, which
+/// restarts the whole server anyway) counts for nothing.
+pub fn step_aside_pending(entry: usize) -> bool {
+    let pid = DATABASES.get()[entry].step_aside_by.load(Ordering::SeqCst);
+    // SAFETY: signal 0 only checks that the process exists.
+    pid != 0 && unsafe { libc::kill(pid, 0) } == 0
+}
+
+/// Whether the relays of the database this relay is connected to must step aside.
 pub fn step_aside_requested() -> bool {
-    let here = my_database();
-    here != 0 && RELAY.get().step_aside_for.load(Ordering::SeqCst) == here
+    this_entry().is_some_and(step_aside_pending)
 }
 
 // ---- What backends report (`outbox.stats`, `outbox.relays()`) -------------------------------
