@@ -121,6 +121,11 @@ AS 'MODULE_PATHNAME', 'log_pending_sql_wrapper';
 
 -- Replay (src/sql/replay.sql): the journal of what each round published, replays, stream marks
 -- and the losses the relays notice. Its Rust helpers first.
+CREATE  FUNCTION outbox."_rescan_at_commit"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'rescan_at_commit_wrapper';
+
 CREATE  FUNCTION outbox."_wake_for_replay"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
@@ -1179,6 +1184,8 @@ BEGIN
     DELETE FROM outbox.stream_marks;
     DELETE FROM outbox.redis_losses;
     UPDATE outbox.installation SET database_oid = here, installed_at = clock_timestamp();
+    -- An unadopted copy has no relays: the launcher gives it some once this commits.
+    PERFORM outbox._rescan_at_commit();
     RETURN CASE WHEN publish_copied_events
                 THEN format('adopted the copy of database oid %s; its undelivered events will be published from here too; its replays are left to it (%s running cancelled here)', original, cancelled)
                 ELSE format('adopted the copy of database oid %s; its undelivered events are left to it (%s on the failure path skipped), and its replays (%s running cancelled here)', original, skipped, cancelled)
@@ -1918,12 +1925,17 @@ COMMENT ON FUNCTION outbox._calling_role() IS
 COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
     'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s to_stream)';
 
+COMMENT ON FUNCTION outbox._rescan_at_commit() IS
+    'Internal: asks the launcher, when the calling transaction commits, to look again at the databases it relays none of (outbox.adopt_copy: the copy gets relays)';
+
 COMMENT ON FUNCTION outbox._wake_for_replay() IS
     'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';
 
 REVOKE ALL ON FUNCTION outbox._check_allowed_stream(text) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._wake_for_replay() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._rescan_at_commit() FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._next_xid() FROM PUBLIC;
 

@@ -43,6 +43,14 @@ mod outbox {
         crate::enqueue::wake::replay_at_commit();
     }
 
+    /// `outbox._rescan_at_commit()`: `outbox.adopt_copy()` made this database's outbox its own;
+    /// once that commits, the launcher looks at it again and gives it relays (an unadopted copy
+    /// has none: src/relay/launcher.rs).
+    #[pg_extern(volatile, parallel_unsafe, name = "_rescan_at_commit")]
+    fn rescan_at_commit() {
+        crate::enqueue::wake::rescan_at_commit();
+    }
+
     /// The next transaction id to be assigned (`ReadNextFullTransactionId`): every transaction
     /// that has an id now has a lower one. Retention's bound on the writers of a switched table
     /// (outbox._retention); a snapshot's xmax is not such a bound, being one above the latest

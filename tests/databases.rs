@@ -92,6 +92,10 @@ fn every_database_with_the_extension_gets_its_own_relays_settings_and_stats() {
     enqueue(&mut plain, "note", 1);
     redis.wait_for_entries("outbox:note", 1);
     wait_relays_in(&mut admin, "plain", 2);
+    // Connected is not yet registered (outbox.relays() reads the registrations).
+    wait_for(DEADLINE, "both relays of plain to register", || {
+        (count(&mut plain, "SELECT count(*) FROM outbox.relays()") == 2).then_some(())
+    });
 
     // A changed database setting applies after a reload: the relays start again with it. A relay
     // reads its database's settings once connected (src/relay/settings.rs, adopt_own_settings), so
@@ -520,4 +524,66 @@ fn twenty_copies_in_a_row_succeed_while_relays_restart() {
     wait_relays_in(&mut admin, "ownerdb", 2);
     enqueue(&mut pg.connect_to("ownerdb"), "after_copies", 1);
     redis.wait_for_entries("outbox:after_copies", 1);
+}
+
+/// Issue 35, item 6: a role with CREATEDB that owns a relayed database used up
+/// `outbox.max_databases` with copies of it (`CREATE DATABASE cpN TEMPLATE ownerdb`, no superuser
+/// needed): each copy took an entry and its relays although it publishes nothing until adopted,
+/// and a superuser's new database was then left out. Now an unadopted copy gets no relay and no
+/// entry (its probe says so and leaves), accepts events that wait for `outbox.adopt_copy()`, and
+/// adopting it gives it relays.
+#[test]
+fn unadopted_copies_take_no_entry_from_databases_that_publish() {
+    let redis = Redis::start();
+    let pg = Cluster::start(redis.port, &["outbox.max_databases = 3", "outbox.poll_interval = '200ms'"]);
+    let mut admin = pg.connect();
+    admin.batch_execute("CREATE ROLE owner LOGIN CREATEDB").unwrap();
+    admin.batch_execute("CREATE DATABASE ownerdb OWNER owner").unwrap();
+    let mut ownerdb = pg.connect_to("ownerdb");
+    ownerdb.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    wait_relays_in(&mut admin, "ownerdb", 1);
+    enqueue(&mut ownerdb, "owner", 1);
+    redis.wait_for_entries("outbox:owner", 1);
+    drop(ownerdb);
+    // More copies than there are entries, made by the owner.
+    let mut owner = pg.connect();
+    owner.batch_execute("SET ROLE owner").unwrap();
+    for n in 1..=4 {
+        owner.batch_execute(&format!("CREATE DATABASE cp{n} TEMPLATE ownerdb")).unwrap();
+    }
+    drop(owner);
+    for n in 1..=4 {
+        let mut copy = pg.connect_to(&format!("cp{n}"));
+        wait_for(DEADLINE, "the copy's stats to say it waits for adoption", || {
+            let error: Option<String> = copy.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+            error.filter(|e| e.contains("holds a copy of the outbox of database oid")).map(|_| ())
+        });
+    }
+    // A superuser's new database gets its relays and its events go out.
+    admin.batch_execute("CREATE DATABASE newdb").unwrap();
+    let mut newdb = pg.connect_to("newdb");
+    newdb.batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    enqueue(&mut newdb, "newdb", 1);
+    wait_relays_in(&mut admin, "newdb", 1);
+    redis.wait_for_entries("outbox:newdb", 1);
+    for n in 1..=4 {
+        wait_relays_in(&mut admin, &format!("cp{n}"), 0);
+    }
+    let said: Option<String> =
+        pg.connect_to("cp2").query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+    assert!(said.unwrap_or_default().contains("has no relay and publishes nothing until SELECT outbox.adopt_copy()"));
+    // An unadopted copy accepts events; they wait for its adoption.
+    let mut cp1 = pg.connect_to("cp1");
+    enqueue(&mut cp1, "cp1", 1);
+    // Adopted (with streams of its own), it gets relays and publishes.
+    admin.batch_execute("ALTER DATABASE cp1 SET outbox.stream = 'cp1:{aggregate_type}'").unwrap();
+    drop(cp1);
+    let mut cp1 = pg.connect_to("cp1");
+    let said: String = cp1.query_one("SELECT outbox.adopt_copy()", &[]).unwrap().get(0);
+    assert!(said.contains("left to it"), "{said}");
+    wait_relays_in(&mut admin, "cp1", 1);
+    redis.wait_for_entries("cp1:cp1", 1);
+    for n in 2..=4 {
+        assert_eq!(relays_in(&mut admin, &format!("cp{n}")), 0);
+    }
 }

@@ -117,6 +117,11 @@ AS 'MODULE_PATHNAME', 'log_pending_sql_wrapper';
 
 -- Replay (src/sql/replay.sql): the journal of what each round published, replays, stream marks
 -- and the losses the relays notice. Its Rust helpers first.
+CREATE  FUNCTION outbox."_rescan_at_commit"() RETURNS void
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'rescan_at_commit_wrapper';
+
 CREATE  FUNCTION outbox."_wake_for_replay"() RETURNS void
 STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */

@@ -56,6 +56,11 @@ pub fn check_relayed_database() {
             .report(PgLogLevel::ERROR);
         }
     }
+    // An unadopted copy has no relay and takes no entry; its events wait for adopt_copy(), as
+    // before (the copy's own are published once it is adopted).
+    if shared::this_entry().is_none() && unadopted_copy_of().is_some() {
+        return;
+    }
     // Last: it may wait for the launcher's decision (only without an entry, in the seconds
     // after a start or while it probes databases for outbox_pg).
     let left_out_hint = "Raise outbox.max_databases (a restart), relay fewer databases (outbox.databases names the ones to relay, in the order they are preferred), or drop outbox_pg from databases that do not need it; the server log's WARNING names every database left out.";
@@ -115,10 +120,42 @@ fn this_database_is_a_template() -> bool {
     }
 }
 
-/// Why no relay serves this database although it would be relayed: every entry of shared memory
-/// serves another database (outbox.stats shows it as last_error; outbox_enqueue refuses).
+/// Why no relay serves this database: an unadopted copy of another database's outbox (it gets
+/// relays once adopted), or every entry of shared memory serves another database (outbox.stats
+/// shows it as last_error; outbox_enqueue refuses then).
 pub fn left_out_reason() -> Option<String> {
+    if let Some(original) = unadopted_copy_of() {
+        return Some(format!(
+            "database \"{}\" holds a copy of the outbox of database oid {original} (CREATE DATABASE ... TEMPLATE): it has no relay and publishes nothing until SELECT outbox.adopt_copy() in it",
+            current_database()
+        ));
+    }
     shared::left_out_for_lack_of_entries().then(left_out_message)
+}
+
+/// The database whose installation this one is a copy of, if `outbox.installation` names another
+/// database (a copy not adopted yet; the probe adopts one that carries nothing at once). Asked only
+/// in a database without relays.
+fn unadopted_copy_of() -> Option<u32> {
+    // SAFETY: set for every connected backend.
+    let here = unsafe { pg_sys::MyDatabaseId };
+    // outbox.installation is outbox_admin's: read as the bootstrap superuser, whatever role
+    // enqueues or reads outbox.stats (an error's transaction abort restores the user too).
+    let mut user = pg_sys::InvalidOid;
+    let mut context = 0;
+    // SAFETY: saves and switches the current user for one catalog-like read, restored below.
+    unsafe {
+        pg_sys::GetUserIdAndSecContext(&mut user, &mut context);
+        pg_sys::SetUserIdAndSecContext(
+            pg_sys::Oid::from(pg_sys::BOOTSTRAP_SUPERUSERID),
+            context | pg_sys::SECURITY_LOCAL_USERID_CHANGE as i32,
+        );
+    }
+    let recorded = Spi::get_one::<pg_sys::Oid>("SELECT database_oid FROM outbox.installation");
+    // SAFETY: restores what was saved above.
+    unsafe { pg_sys::SetUserIdAndSecContext(user, context) };
+    let recorded = recorded.ok().flatten()?;
+    (recorded != here).then(|| recorded.to_u32())
 }
 
 /// Refuses, for `outbox_enqueue`, a stream `outbox.allowed_streams` does not permit.

@@ -54,7 +54,9 @@ impl Slot {
 enum Database {
     /// Relays run (or are being started) with this shared-memory entry.
     Served(Served),
-    /// A probe found no outbox_pg; looked at again once the rescan generation moves past this.
+    /// A probe found no outbox_pg, or an unadopted copy of another database's (which publishes
+    /// nothing, so takes no entry from a database that would); looked at again once the rescan
+    /// generation moves past this (`CREATE EXTENSION`, `CREATE DATABASE`, `adopt_copy()`, a reload).
     WithoutExtension { generation: u32 },
 }
 
@@ -271,7 +273,8 @@ impl Served {
             ExtensionState::Present => guc::workers(),
             // One relay finds out whether the extension is there.
             ExtensionState::Unknown => 1,
-            ExtensionState::Missing => 0,
+            // An unadopted copy publishes nothing: it holds no relay and no entry.
+            ExtensionState::Missing | ExtensionState::Copy => 0,
         };
         let mut timeout = SCAN_INTERVAL;
         let mut running = 0;
@@ -333,7 +336,7 @@ impl Served {
                 Slot::Idle { .. } => {}
             }
         }
-        if extension == ExtensionState::Missing && running == 0 {
+        if matches!(extension, ExtensionState::Missing | ExtensionState::Copy) && running == 0 {
             let leftovers =
                 (0..shared::MAX_RELAYS).any(|slot| shared::relay_pid_at(self.entry, slot).is_some_and(process_alive));
             if !leftovers {

@@ -505,8 +505,12 @@ impl Relay {
                 Some(poll.max(Duration::from_secs(1)))
             }
             TickOutcome::CopiedInstallation { original } => {
+                // Said once (a WARNING); then the relay leaves, and the launcher gives the entry to
+                // a database that publishes, until adopt_copy() asks it to look again.
                 self.set_health(Health::Copied(original));
-                Some(poll.max(Duration::from_secs(1)))
+                let _ = shared::set_extension_state(ExtensionState::Copy);
+                self.exit = true;
+                None
             }
             TickOutcome::BrokerDown { error, .. } => Some(self.failed(Health::BrokerDown(error.0))),
             TickOutcome::DatabaseError(error) => Some(self.failed(Health::DatabaseError(error))),

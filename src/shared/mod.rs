@@ -38,6 +38,21 @@ pub enum ExtensionState {
     Present = 1,
     /// A relay found it missing and exited; the launcher starts none until a rescan is requested.
     Missing = 2,
+    /// A relay found a copy of another database's installation, not adopted (`outbox.adopt_copy`),
+    /// and exited: like `Missing`, the database gets no relay (and no entry) until a rescan, which
+    /// adopt_copy() requests.
+    Copy = 3,
+}
+
+impl ExtensionState {
+    fn from_u8(state: u8) -> ExtensionState {
+        match state {
+            1 => ExtensionState::Present,
+            2 => ExtensionState::Missing,
+            3 => ExtensionState::Copy,
+            _ => ExtensionState::Unknown,
+        }
+    }
 }
 
 /// What the whole cluster shares besides the entries.
@@ -271,11 +286,7 @@ pub fn release_entry(entry: usize) {
 }
 
 pub fn extension_state(entry: usize) -> ExtensionState {
-    match DATABASES.get()[entry].extension.load(Ordering::SeqCst) {
-        1 => ExtensionState::Present,
-        2 => ExtensionState::Missing,
-        _ => ExtensionState::Unknown,
-    }
+    ExtensionState::from_u8(DATABASES.get()[entry].extension.load(Ordering::SeqCst))
 }
 
 /// Process id of the relay in `slot` of `entry`, if one runs there.
@@ -431,11 +442,7 @@ pub fn unregister_relay(slot: usize) {
 /// had found before, so that one of them (the first to notice) reports a change.
 pub fn set_extension_state(state: ExtensionState) -> ExtensionState {
     let Some(here) = here() else { return ExtensionState::Unknown };
-    match here.extension.swap(state as u8, Ordering::SeqCst) {
-        1 => ExtensionState::Present,
-        2 => ExtensionState::Missing,
-        _ => ExtensionState::Unknown,
-    }
+    ExtensionState::from_u8(here.extension.swap(state as u8, Ordering::SeqCst))
 }
 
 /// Whether the relays are paused; set by them from `outbox.enabled` on every loop.

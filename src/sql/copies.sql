@@ -110,6 +110,8 @@ BEGIN
     DELETE FROM outbox.stream_marks;
     DELETE FROM outbox.redis_losses;
     UPDATE outbox.installation SET database_oid = here, installed_at = clock_timestamp();
+    -- An unadopted copy has no relays: the launcher gives it some once this commits.
+    PERFORM outbox._rescan_at_commit();
     RETURN CASE WHEN publish_copied_events
                 THEN format('adopted the copy of database oid %s; its undelivered events will be published from here too; its replays are left to it (%s running cancelled here)', original, cancelled)
                 ELSE format('adopted the copy of database oid %s; its undelivered events are left to it (%s on the failure path skipped), and its replays (%s running cancelled here)', original, skipped, cancelled)

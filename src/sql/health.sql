@@ -176,10 +176,13 @@ COMMENT ON FUNCTION outbox._calling_role() IS
     'Internal: the role the caller acts as outside any SECURITY DEFINER function (outbox_mark_processed)';
 COMMENT ON FUNCTION outbox._check_allowed_stream(text) IS
     'Internal: refuses a stream outbox.allowed_streams does not allow (outbox.replay''s to_stream)';
+COMMENT ON FUNCTION outbox._rescan_at_commit() IS
+    'Internal: asks the launcher, when the calling transaction commits, to look again at the databases it relays none of (outbox.adopt_copy: the copy gets relays)';
 COMMENT ON FUNCTION outbox._wake_for_replay() IS
     'Internal: sends the relays to look for replays when the calling transaction commits (outbox.replay)';
 REVOKE ALL ON FUNCTION outbox._check_allowed_stream(text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._wake_for_replay() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._rescan_at_commit() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._next_xid() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._exclude_transactions_past_the_cap() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._enqueue_in_progress(text, text) FROM PUBLIC;
