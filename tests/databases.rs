@@ -586,4 +586,14 @@ fn unadopted_copies_take_no_entry_from_databases_that_publish() {
     for n in 2..=4 {
         assert_eq!(relays_in(&mut admin, &format!("cp{n}")), 0);
     }
+    // After a restart the copies, older than newdb, are probed first and still take no entry.
+    drop((cp1, newdb, admin));
+    pg.pg_ctl_stop("fast");
+    pg.pg_ctl_start();
+    let mut admin = pg.connect();
+    enqueue(&mut pg.connect_to("newdb"), "newdb", 2);
+    redis.wait_for_entries("outbox:newdb", 2);
+    for database in ["ownerdb", "cp1", "newdb"] {
+        wait_relays_in(&mut admin, database, 1);
+    }
 }

@@ -7,7 +7,11 @@
 //! learns where the extension is by starting one relay there (a *probe*): a relay that finds no
 //! outbox_pg says so in shared memory and exits, and the launcher leaves that database alone until
 //! a committed `CREATE EXTENSION` or `CREATE DATABASE` (src/hooks/object_access.rs), or a reload, asks it
-//! to look again. A relay that finds the extension makes the launcher start the others.
+//! to look again. A relay that finds the extension makes the launcher start the others. One that
+//! finds an unadopted copy of another database's installation (which publishes nothing) is treated
+//! the same way as one without it: no relay and no entry, until `outbox.adopt_copy()` commits and
+//! asks the launcher to look again. While a statement needs a database without sessions (a copy
+//! of it, a rename, a drop), the launcher starts no relay there (`shared::step_aside_pending`).
 //!
 //! Databases that are dropped, become templates, refuse connections or leave `outbox.databases`
 //! lose their relays; `DROP EXTENSION` makes them exit by themselves. Worker slots are budgeted:
