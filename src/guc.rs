@@ -74,6 +74,21 @@ static STREAM_TEMPLATE: GucSetting<Option<CString>> =
 /// `outbox.stream_maxlen` (default 0 = never trim, reload).
 static STREAM_MAXLEN: GucSetting<i32> = GucSetting::<i32>::new(0);
 
+/// How `outbox.stream_maxlen` trims (README, "Trimming").
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum StreamTrim {
+    /// `XADD ... MAXLEN ~ n`: Redis trims whether or not the entries were read.
+    #[name = c"length"]
+    Length,
+    /// `XADD ... ACKED MAXLEN = n` (Redis 8.2 or later): only entries every consumer group has
+    /// acknowledged are trimmed; the length is a target, not a bound.
+    #[name = c"acked"]
+    Acked,
+}
+
+/// `outbox.stream_trim` (default `length`, reload).
+static STREAM_TRIM: GucSetting<StreamTrim> = GucSetting::<StreamTrim>::new(StreamTrim::Length);
+
 /// `outbox.max_payload_size` (default 1MB, at most 512MB, superuser may change per session).
 static MAX_PAYLOAD_SIZE: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 pub const MAX_PAYLOAD_SIZE_CEILING: i32 = 512 * 1024 * 1024;
@@ -328,11 +343,19 @@ pub fn init(preloading: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.stream_maxlen",
-        c"Approximate maximum stream length (XADD MAXLEN ~); 0 never trims.",
+        c"Stream length each XADD trims to (MAXLEN ~; exact with outbox.stream_trim = acked); 0 never trims.",
         c"",
         &STREAM_MAXLEN,
         0,
         i32::MAX,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_enum_guc(
+        c"outbox.stream_trim",
+        c"How outbox.stream_maxlen trims: length (whatever was read) or acked (what every consumer group acknowledged).",
+        c"acked needs Redis 8.2 or later (XADD ... ACKED); against an older Redis the relay publishes nothing and says why.",
+        &STREAM_TRIM,
         GucContext::Suset,
         GucFlags::empty(),
     );
@@ -604,6 +627,10 @@ pub fn stream_template() -> String {
 /// `None` when trimming is off.
 pub fn stream_maxlen() -> Option<u64> {
     Some(STREAM_MAXLEN.get() as u64).filter(|&n| n > 0)
+}
+
+pub fn stream_trim() -> StreamTrim {
+    STREAM_TRIM.get()
 }
 
 pub fn max_payload_size() -> i32 {

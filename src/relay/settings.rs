@@ -190,6 +190,7 @@ pub fn entry_settings(database: &str) -> EntrySettings {
     EntrySettings {
         stream_template: guc::stream_template(),
         maxlen: guc::stream_maxlen(),
+        trim_acked: guc::stream_trim() == guc::StreamTrim::Acked,
         format: match guc::entry_format() {
             guc::EntryFormat::Native => EntryFormat::Native,
             guc::EntryFormat::CloudEvents => {

@@ -693,9 +693,22 @@ impl Relay {
         Ok(())
     }
 
-    /// Records and logs the losses the sink's checks found (src/relay/losses.rs); whether there
-    /// were any.
+    /// Logs what a new connection learnt of the server, then records and logs the losses the
+    /// sink's checks found (src/relay/losses.rs); whether there were any.
     fn report_losses(&mut self) -> bool {
+        if let Some(news) = self.sink.take_capabilities_news() {
+            log!("outbox_pg: relay {} connected to {news}", self.slot);
+        }
+        for (stream, length, over) in self.sink.take_held_back_news() {
+            let maxlen = guc::stream_maxlen().unwrap_or(0);
+            if over {
+                warning!(
+                    "outbox_pg: stream \"{stream}\" holds {length} entries, more than twice outbox.stream_maxlen = {maxlen}: with outbox.stream_trim = 'acked' Redis trims only entries every consumer group acknowledged, and a group has stopped acknowledging; the stream grows until it does (XINFO GROUPS shows each group's pending entries and lag)"
+                );
+            } else {
+                log!("outbox_pg: stream \"{stream}\" is back to {length} entries (outbox.stream_maxlen = {maxlen}): its consumer groups acknowledge again");
+            }
+        }
         if let Some(refused) = self.sink.check_refused.as_mut().filter(|refused| !refused.is_empty()) {
             log!(
                 "outbox_pg: the relay's Redis user may not run XINFO STREAM ({refused}): lost entries cannot be noticed; grant it +xinfo|stream"

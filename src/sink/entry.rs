@@ -23,6 +23,9 @@ pub struct EntrySettings {
     pub stream_template: String,
     /// `outbox.stream_maxlen`, `None` when streams are not trimmed.
     pub maxlen: Option<u64>,
+    /// `outbox.stream_trim = 'acked'`: trim only entries every consumer group acknowledged
+    /// (`XADD ... ACKED`, Redis 8.2 or later).
+    pub trim_acked: bool,
     pub format: EntryFormat,
 }
 

@@ -95,6 +95,72 @@ pub fn max_argument(connection: &mut redis::Connection) -> Option<u64> {
     reply.ok().and_then(|pair| pair.get(1).and_then(|value| value.parse().ok()))
 }
 
+/// What a server offers beyond Redis 7.0's XADD, learnt at connect from its own description of
+/// the command (`COMMAND DOCS XADD`), not guessed from its version.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// The version the server reports (`HELLO`), for messages only; `None` if it would not say.
+    pub version: Option<String>,
+    /// `XADD ... ACKED` (Redis 8.2): trim only entries every consumer group acknowledged.
+    pub acked_trim: bool,
+    /// `XADD ... IDMP` (Redis 8.6): idempotent XADD (docs/worker.md; not used yet).
+    pub idempotent_xadd: bool,
+    /// Why the server's description could not be read (an ACL without `+command|docs`), if so.
+    pub unknown: Option<String>,
+}
+
+impl Capabilities {
+    /// The server as messages name it: `Redis 8.2.3`, or `Redis (version unknown)`.
+    pub fn server(&self) -> String {
+        match &self.version {
+            Some(version) => format!("Redis {version}"),
+            None => "Redis (version unknown)".into(),
+        }
+    }
+
+    /// For the log: which of the options the relay may use the server offers.
+    pub fn offers(&self) -> String {
+        if let Some(why) = &self.unknown {
+            return format!("cannot read COMMAND DOCS XADD ({why}): XADD ACKED unknown");
+        }
+        let yes_no = |offered: bool| if offered { "offered" } else { "not offered" };
+        format!("XADD ACKED {}, XADD IDMP {} (not used yet)", yes_no(self.acked_trim), yes_no(self.idempotent_xadd))
+    }
+}
+
+/// Asks the server what it is and which XADD options it has.
+pub fn capabilities(connection: &mut redis::Connection) -> Capabilities {
+    let version = redis::cmd("HELLO").query::<redis::Value>(connection).ok().and_then(|hello| {
+        let mut words = Vec::new();
+        words_of(&hello, &mut words);
+        words.iter().position(|word| word == "version").and_then(|at| words.get(at + 1).cloned())
+    });
+    match redis::cmd("COMMAND").arg("DOCS").arg("XADD").query::<redis::Value>(connection) {
+        Ok(docs) => {
+            let mut words = Vec::new();
+            words_of(&docs, &mut words);
+            let has = |token: &str| words.iter().any(|word| word.eq_ignore_ascii_case(token));
+            Capabilities { version, acked_trim: has("ACKED"), idempotent_xadd: has("IDMP"), unknown: None }
+        }
+        Err(error) => Capabilities { version, unknown: Some(describe_error(&error)), ..Capabilities::default() },
+    }
+}
+
+/// Every string in a reply, depth first (argument names and tokens of `COMMAND DOCS`, the
+/// fields and values of `HELLO`).
+fn words_of(value: &redis::Value, words: &mut Vec<String>) {
+    match value {
+        redis::Value::BulkString(bytes) => words.push(String::from_utf8_lossy(bytes).into_owned()),
+        redis::Value::SimpleString(text) => words.push(text.clone()),
+        redis::Value::Array(items) | redis::Value::Set(items) => items.iter().for_each(|item| words_of(item, words)),
+        redis::Value::Map(pairs) => pairs.iter().for_each(|(key, item)| {
+            words_of(key, words);
+            words_of(item, words);
+        }),
+        _ => {}
+    }
+}
+
 /// A cluster node that serves a slot the block was sent elsewhere for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Redirect {

@@ -23,7 +23,7 @@ use redis::ConnectionInfo;
 pub use super::address::redact_url;
 use super::address::{at_node, describe_target, node_infos};
 use super::cluster::{key_slot, NodeAddr, SlotMap};
-use super::marks::{last_generated_ids, LastIdError, Loss, Mark, Marks, Query, CHECK_CHUNK};
+use super::marks::{self, last_generated_ids, LastIdError, Loss, Mark, Marks, Query, CHECK_CHUNK};
 use super::node::{self, BlockReply, Pipeline, Redirect};
 use super::sentinel;
 pub use super::{BrokerError, EntryOutcome, RedisConfig, RedisMode, TlsFiles};
@@ -59,6 +59,27 @@ pub struct RedisSink {
     pub check_refused: Option<String>,
     /// How the checks ask Redis (`Query::Xinfo` once `EVAL` was refused).
     check_query: Query,
+    /// What the server in use offers (learnt at connect: the node, or a Cluster's first master).
+    capabilities: Option<node::Capabilities>,
+    /// What the last connect learnt, when it differs from what was logged before: for the relay
+    /// to log once (`take_capabilities_news`).
+    capabilities_news: Option<String>,
+    capabilities_logged: Option<node::Capabilities>,
+    /// Streams trimmed by acknowledgement found holding more than `held_back_above` entries
+    /// at the last check (a consumer group that stopped acknowledging holds them).
+    held_back: HashMap<String, u64>,
+    /// Changes of `held_back` for the relay to log: (stream, length, over the bound).
+    held_back_news: Vec<(String, u64, bool)>,
+    /// `outbox.stream_maxlen` while `outbox.stream_trim = 'acked'`, as the last publish was
+    /// given it: the checks of the marks then note the streams a group holds over the bound.
+    trim_watch: Option<u64>,
+}
+
+/// Entries beyond `outbox.stream_maxlen` that a stream trimmed by acknowledgement may hold before
+/// the relay warns: as many again as the bound, plus 100 (the entries of a node of the stream with
+/// Redis's default `stream-node-max-entries`, which an approximate trim may keep).
+pub fn held_back_above(maxlen: u64) -> u64 {
+    maxlen.saturating_mul(2).saturating_add(100)
 }
 
 impl Default for RedisSink {
@@ -79,6 +100,12 @@ impl RedisSink {
             losses: Vec::new(),
             check_refused: None,
             check_query: Query::default(),
+            capabilities: None,
+            capabilities_news: None,
+            capabilities_logged: None,
+            held_back: HashMap::new(),
+            held_back_news: Vec::new(),
+            trim_watch: None,
         }
     }
 
@@ -181,6 +208,7 @@ impl RedisSink {
                 }
             };
             self.max_argument = node::max_argument(&mut connection);
+            self.learnt(node::capabilities(&mut connection));
             self.single = Some(connection);
             self.marks.reconnected();
         }
@@ -197,11 +225,58 @@ impl RedisSink {
             let mut connection = node::connect(at_node(&template, &addr.host, addr.port), config.timeout, &config.tls)?;
             if self.nodes.is_empty() {
                 self.max_argument = node::max_argument(&mut connection);
+                self.learnt(node::capabilities(&mut connection));
             }
             self.nodes.insert(addr.clone(), connection);
             self.marks.reconnected();
         }
         self.nodes.get_mut(addr).ok_or_else(|| BrokerError("no connection".into()))
+    }
+
+    fn learnt(&mut self, capabilities: node::Capabilities) {
+        if self.capabilities_logged.as_ref() != Some(&capabilities) {
+            self.capabilities_news =
+                Some(format!("{} at {}: {}", capabilities.server(), self.describe(), capabilities.offers()));
+            self.capabilities_logged = Some(capabilities.clone());
+        }
+        self.capabilities = Some(capabilities);
+    }
+
+    /// What the relay will use of the server, once per server (or change of it) for the log.
+    pub fn take_capabilities_news(&mut self) -> Option<String> {
+        self.capabilities_news.take()
+    }
+
+    /// Refuses to publish when the settings ask for what the server does not offer: with
+    /// `outbox.stream_trim = 'acked'`, an older Redis would otherwise trim by length, i.e. drop
+    /// entries a consumer group has not read. A refusal of Redis as a whole: nothing is published,
+    /// nothing dead-lettered, and the relay retries with backoff until the server or the setting
+    /// changes.
+    fn check_trim(&mut self, entries: &EntrySettings) -> Result<(), BrokerError> {
+        if !entries.trim_acked || entries.maxlen.is_none() {
+            return Ok(());
+        }
+        let Some(capabilities) = &self.capabilities else { return Ok(()) };
+        if capabilities.acked_trim {
+            return Ok(());
+        }
+        let server = capabilities.server();
+        let unknown = capabilities.unknown.clone();
+        if unknown.is_some() {
+            // Asked again at the next connect: a permission granted meanwhile takes effect then.
+            self.disconnect();
+        }
+        Err(BrokerError(match &unknown {
+            Some(why) => format!(
+                "outbox.stream_trim = 'acked' needs XADD ... ACKED (Redis 8.2 or later), and whether {server} offers it is unknown: \
+                 COMMAND DOCS XADD was refused ({why}); grant the relay's Redis user +command|docs. \
+                 Nothing is published, nor trimmed by length, until then"
+            ),
+            None => format!(
+                "outbox.stream_trim = 'acked' needs XADD ... ACKED (Redis 8.2 or later), which {server} does not offer: \
+                 nothing is published, nor trimmed by length, until Redis is upgraded or outbox.stream_trim is 'length'"
+            ),
+        }))
     }
 
     /// Reads the slot map from the first node that answers: masters already connected, then the
@@ -270,6 +345,8 @@ impl RedisSink {
         let _quiet = node::SignalsDeferred::new();
         // Connect first: that is where the size limit below is learnt.
         self.connect_any()?;
+        self.check_trim(entries)?;
+        self.trim_watch = entries.maxlen.filter(|_| entries.trim_acked);
         self.check_marks(&stream_keys(events, entries))?;
         let (mut outcomes, sendable) = refuse_oversized(events, self.max_argument.unwrap_or(DEFAULT_MAX_ARGUMENT));
         // With the limit unknown, an event that may be over it is sent in an exchange of its own,
@@ -479,6 +556,28 @@ impl RedisSink {
         }
     }
 
+    /// Notes the streams an unacknowledging group holds over the bound, and those back under it.
+    fn note_lengths(&mut self, found: &[(String, Option<marks::Found>)], maxlen: u64) {
+        for (stream, now) in found {
+            let length = now.as_ref().map_or(0, |now| now.length);
+            let over = length > held_back_above(maxlen);
+            if over != self.held_back.contains_key(stream) {
+                self.held_back_news.push((stream.clone(), length, over));
+            }
+            if over {
+                self.held_back.insert(stream.clone(), length);
+            } else {
+                self.held_back.remove(stream);
+            }
+        }
+    }
+
+    /// Streams trimmed by acknowledgement that went over `held_back_above` (true) or came back
+    /// under it (false) since the last call, with their length then.
+    pub fn take_held_back_news(&mut self) -> Vec<(String, u64, bool)> {
+        std::mem::take(&mut self.held_back_news)
+    }
+
     /// The losses found since the last call (src/sink/marks.rs).
     pub fn take_losses(&mut self) -> Vec<Loss> {
         std::mem::take(&mut self.losses)
@@ -569,6 +668,10 @@ impl RedisSink {
             }
             chunk = if mode == RedisMode::Cluster && streams.len() > 1 { Some(&streams[1..]) } else { chunks.next() };
         }
+        match self.trim_watch {
+            Some(maxlen) => self.note_lengths(&found, maxlen),
+            None => self.held_back.clear(),
+        }
         let losses = self.marks.compare(found);
         let lost = losses.len();
         self.losses.extend(losses);
@@ -619,6 +722,8 @@ impl RedisSink {
         }
         let _quiet = node::SignalsDeferred::new();
         self.connect_any()?;
+        self.check_trim(entries)?;
+        self.trim_watch = entries.maxlen.filter(|_| entries.trim_acked);
         self.check_marks(&stream_keys(events, entries))?;
         let Some(max_argument) = self.max_argument else { return Ok(Sent(None)) };
         let (outcomes, sendable) = refuse_oversized(events, max_argument);
@@ -748,27 +853,34 @@ fn single_pipeline(
     pipeline
 }
 
-/// How an exchange writes each event's XADD: `MAXLEN ~ maxlen` when trimming, the fields in the
-/// entry format.
+/// How an exchange writes each event's XADD: `MAXLEN ~ maxlen` when trimming (`ACKED MAXLEN =
+/// maxlen` when trimming only what every group acknowledged), the fields in the entry format.
 struct Xadd<'a> {
     maxlen: Option<String>,
+    acked: bool,
     format: &'a EntryFormat,
 }
 
 impl<'a> Xadd<'a> {
     fn new(entries: &'a EntrySettings) -> Self {
-        Xadd { maxlen: entries.maxlen.map(|n| n.to_string()), format: &entries.format }
+        Xadd { maxlen: entries.maxlen.map(|n| n.to_string()), acked: entries.trim_acked, format: &entries.format }
     }
 
     /// Writes the XADD of `event` to `key` into the pipeline.
     fn write(&self, pipeline: &mut Pipeline, event: &OutboxEvent, key: &str) {
-        let trim = if self.maxlen.is_some() { 3 } else { 0 };
+        let acked = self.acked && self.maxlen.is_some();
+        let trim = if self.maxlen.is_some() { 3 + usize::from(acked) } else { 0 };
         pipeline.entry(3 + trim + 2 * event.field_count(self.format));
         pipeline.arg(b"XADD");
         pipeline.arg(key.as_bytes());
         if let Some(maxlen) = &self.maxlen {
+            if acked {
+                pipeline.arg(b"ACKED");
+            }
             pipeline.arg(b"MAXLEN");
-            pipeline.arg(b"~");
+            // Exact with ACKED: Redis 8.2.3 trims nothing at all with `ACKED MAXLEN ~`, not even a
+            // stream without groups (checked with redis-cli; the same XADD without ACKED trims).
+            pipeline.arg(if acked { b"=" } else { b"~" });
             pipeline.arg(maxlen.as_bytes());
         }
         pipeline.arg(b"*");
