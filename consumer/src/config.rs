@@ -118,6 +118,12 @@ pub struct ConsumerConfig {
     /// How many consecutive transient failures (lost connection, ...) [`crate::Consumer::run`]
     /// rides out by reconnecting, with backoff, before it returns the error. Default 10.
     pub reconnect_attempts: u32,
+    /// Acknowledge with `XACKDEL ... ACKED` instead of `XACK`, so that an entry every consumer
+    /// group has acknowledged is deleted at once: for streams the relay trims by acknowledgement
+    /// (`outbox.stream_trim = 'acked'`), where it would otherwise stay until the next XADD trims
+    /// it. Used only when the server has `XACKDEL` (Redis 8.2 or later, asked at connect); else
+    /// `XACK`, as with `false` (the default). See [`crate::Consumer::acknowledges_with`].
+    pub delete_acked: bool,
 }
 
 /// Default [`ConsumerConfig::batch_size`].
@@ -163,6 +169,7 @@ impl ConsumerConfig {
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter_stream: format!("{stream}:dead"),
             reconnect_attempts: DEFAULT_RECONNECT_ATTEMPTS,
+            delete_acked: false,
             stream,
             group,
         }

@@ -69,6 +69,8 @@ pub struct Consumer {
     /// Where the next XAUTOCLAIM page starts; `0-0` between scans.
     claim_cursor: String,
     next_claim_at: Instant,
+    /// `config.delete_acked` and the server has `XACKDEL`.
+    ack_deletes: bool,
 }
 
 /// What happened to one entry (for the stats and the poll loop).
@@ -129,6 +131,13 @@ redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return redis.call('XACK', KEYS[2], ARGV[3], ARGV[4])
 ";
 
+/// `DONE_SCRIPT` with `XACKDEL ... ACKED` ([`ConsumerConfig::delete_acked`]): the entry is also
+/// deleted if every other group acknowledged it already.
+const DONE_DELETE_SCRIPT: &str = r"
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return redis.call('XACKDEL', KEYS[2], ARGV[3], 'ACKED', 'IDS', 1, ARGV[4])
+";
+
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 /// The value of a dedup key once its event was processed.
 const DONE: &str = "done";
@@ -146,7 +155,9 @@ impl Consumer {
             stats: Stats::default(),
             claim_cursor: "0-0".to_string(),
             next_claim_at: Instant::now(),
+            ack_deletes: false,
         };
+        consumer.ack_deletes = consumer.config.delete_acked && consumer.server_has("XACKDEL")?;
         consumer.ensure_group()?;
         Ok(consumer)
     }
@@ -154,6 +165,27 @@ impl Consumer {
     /// The configuration this consumer runs with.
     pub fn config(&self) -> &ConsumerConfig {
         &self.config
+    }
+
+    /// The command this consumer acknowledges with: `XACKDEL` (with `ACKED`) when
+    /// [`ConsumerConfig::delete_acked`] is set and the server has it, else `XACK`.
+    pub fn acknowledges_with(&self) -> &'static str {
+        if self.ack_deletes {
+            "XACKDEL"
+        } else {
+            "XACK"
+        }
+    }
+
+    /// Whether the server knows `command` (`COMMAND INFO` answers nil for an unknown one): what
+    /// it offers, asked rather than guessed from its version.
+    fn server_has(&mut self, command: &str) -> Result<bool, ConsumerError> {
+        let info: Value = redis::cmd("COMMAND")
+            .arg("INFO")
+            .arg(command)
+            .query(&mut self.conn)
+            .map_err(ConsumerError::redis("COMMAND INFO"))?;
+        Ok(matches!(info, Value::Array(items) if items.first().is_some_and(|item| !matches!(item, Value::Nil))))
     }
 
     /// What this consumer has done so far.
@@ -414,7 +446,7 @@ impl Consumer {
             DedupState::Acquired { marker } => match handler(&event) {
                 Ok(()) => {
                     redis::cmd("EVAL")
-                        .arg(DONE_SCRIPT)
+                        .arg(if self.ack_deletes { DONE_DELETE_SCRIPT } else { DONE_SCRIPT })
                         .arg(2)
                         .arg(&key)
                         .arg(&self.config.stream)
@@ -489,6 +521,20 @@ impl Consumer {
     }
 
     fn xack(&mut self, ids: &[String]) -> Result<(), ConsumerError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        if self.ack_deletes {
+            return redis::cmd("XACKDEL")
+                .arg(&self.config.stream)
+                .arg(&self.config.group)
+                .arg("ACKED")
+                .arg("IDS")
+                .arg(ids.len())
+                .arg(ids)
+                .exec(&mut self.conn)
+                .map_err(ConsumerError::redis("XACKDEL"));
+        }
         redis::cmd("XACK")
             .arg(&self.config.stream)
             .arg(&self.config.group)
