@@ -26,7 +26,7 @@ pub struct TickSettings {
     /// Events read per shard per round (a round may carry `share` times as many).
     pub batch_size: usize,
     /// Where and how entries are written (`outbox.stream`, `outbox.stream_maxlen`,
-    /// `outbox.entry_format`).
+    /// `outbox.stream_trim`, `outbox.entry_format`).
     pub entries: EntrySettings,
     /// Keep per-aggregate order (`outbox.ordering = aggregate`).
     pub in_order: bool,
