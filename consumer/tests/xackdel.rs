@@ -99,3 +99,23 @@ fn by_default_the_consumer_acknowledges_with_xack() {
     }
     assert_eq!(xlen(&mut conn), 3);
 }
+
+#[test]
+fn the_cli_deletes_acknowledged_entries_with_delete_acked() {
+    let server = RedisServer::start();
+    let (has, version) = has_xackdel(&server);
+    if !has {
+        println!("skipped: Redis {version} has no XACKDEL (8.2 or later needed)");
+        return;
+    }
+    let mut conn = server.conn();
+    three_events_two_acked_elsewhere(&mut conn);
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_outbox-consume"))
+        .args(["--redis", &server.url(), "--stream", STREAM, "--group", "billing", "--delete-acked"])
+        .args(["--max-events", "3"])
+        .output()
+        .expect("run outbox-consume");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(String::from_utf8_lossy(&output.stdout).lines().count(), 3);
+    assert_eq!(xlen(&mut conn), 1);
+}

@@ -46,6 +46,8 @@ options:
   --start-id ID          where a newly created group starts: 0 = whole stream, $ = new only (default 0)
   --max-events N         exit after printing N events
   --idle-exit-ms N       exit once no entry has arrived for N ms
+  --delete-acked         acknowledge with XACKDEL ... ACKED where Redis has it (8.2+), deleting
+                         entries every group acknowledged (outbox.stream_trim = 'acked')
   -h, --help             show this help
 ";
 
@@ -186,12 +188,17 @@ fn parse_args(mut raw: impl Iterator<Item = String>) -> Result<Args, ArgsError> 
     let mut start_id = None;
     let mut max_events = None;
     let mut idle_exit_ms = None;
+    let mut delete_acked = false;
 
     while let Some(arg) = raw.next() {
         if arg == "-h" || arg == "--help" {
             return Err(ArgsError::Help);
         }
         // Both `--flag value` and `--flag=value`.
+        if arg == "--delete-acked" {
+            delete_acked = true;
+            continue;
+        }
         let (flag, inline) = match arg.split_once('=') {
             Some((flag, value)) if flag.starts_with("--") => (flag.to_string(), Some(value.to_string())),
             _ => (arg.clone(), None),
@@ -279,6 +286,7 @@ fn parse_args(mut raw: impl Iterator<Item = String>) -> Result<Args, ArgsError> 
     if let Some(v) = start_id {
         config.group_start_id = v;
     }
+    config.delete_acked = delete_acked;
     // Checked here too (Consumer::connect would) so that a bad value is reported as a usage error
     // before any connection attempt.
     config.validate().map_err(|e| match e {
