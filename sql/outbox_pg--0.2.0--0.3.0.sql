@@ -210,7 +210,9 @@ CREATE TABLE outbox.replay_requests (
     -- its characters).
     exact_streams   boolean     NOT NULL DEFAULT false,
     aggregate_types text[],
-    event_ids       uuid[],
+    -- How many event ids the event_ids filter lists (NULL: no such filter); the ids are in
+    -- outbox.replay_event_ids while the replay runs, where a round probes them per event.
+    event_ids       bigint,
     -- Sent to this stream instead of each event's own.
     to_stream       text,
     -- At most this many events a second (NULL: as fast as the relays go between live rounds).
@@ -247,6 +249,19 @@ COMMENT ON TABLE outbox.replay_requests IS
     'outbox_pg: replays asked for with outbox.replay(), with their progress (read them through outbox.replays)';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.replay_requests', '');
+
+-- A replay's event_ids filter, one row per id: a round probes it per event it examines (the
+-- relay never loads the list, however long). Deleted when the replay ends or is cancelled.
+CREATE TABLE outbox.replay_event_ids (
+    replay   bigint NOT NULL,
+    event_id uuid   NOT NULL,
+    PRIMARY KEY (replay, event_id)
+);
+
+COMMENT ON TABLE outbox.replay_event_ids IS
+    'outbox_pg: the event ids a running replay''s event_ids filter lists (outbox.replay)';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_event_ids', '');
 
 -- -------------------------------------------------------------------------------------------------
 -- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.
@@ -1495,11 +1510,18 @@ BEGIN
     INSERT INTO outbox.replay_requests (since, until, published_since, streams, exact_streams, aggregate_types,
                                         event_ids, to_stream, max_rate, first_round, last_round, journaled,
                                         next_round, state, finished_at)
-    VALUES (since, until, published_since, streams, exact_streams AND streams IS NOT NULL, aggregate_types, event_ids,
+    VALUES (since, until, published_since, streams, exact_streams AND streams IS NOT NULL, aggregate_types,
+            CASE WHEN event_ids IS NOT NULL THEN (SELECT count(DISTINCT e) FROM unnest(event_ids) e) END,
             to_stream, max_rate, coalesce(first_round, 0), coalesce(last_round, -1), journaled, coalesce(first_round, 0),
             CASE WHEN first_round IS NULL THEN 'done' ELSE 'running' END,
             CASE WHEN first_round IS NULL THEN clock_timestamp() END)
     RETURNING id INTO created;
+    -- The filter in a table of its own, where each round probes it (never copied into a round).
+    IF event_ids IS NOT NULL AND first_round IS NOT NULL THEN
+        INSERT INTO outbox.replay_event_ids (replay, event_id)
+        SELECT created, e FROM unnest(event_ids) e
+        ON CONFLICT DO NOTHING;
+    END IF;
     PERFORM outbox._wake_for_replay();
     RETURN created;
 END
@@ -1527,7 +1549,11 @@ BEGIN
     END IF;
     UPDATE outbox.replay_requests r SET state = 'cancelled', finished_at = clock_timestamp()
      WHERE r.id = replay AND r.state = 'running';
-    RETURN FOUND;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    DELETE FROM outbox.replay_event_ids w WHERE w.replay = cancel_replay.replay;
+    RETURN true;
 END
 $fn$;
 
@@ -1585,7 +1611,7 @@ COMMENT ON FUNCTION outbox._raw_size(jsonb) IS
     'outbox_pg: the uncompressed size of a jsonb value, without detoasting it; internal';
 
 CREATE OR REPLACE FUNCTION outbox._replay_select(event_ids uuid[], since timestamptz, until timestamptz,
-                                      aggregate_types text[], wanted uuid[])
+                                      aggregate_types text[], wanted_by bigint)
 RETURNS TABLE (event_id uuid, aggregate_type text, event_type text, stream text, size bigint, matches boolean)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -1597,7 +1623,8 @@ AS $fn$
                + outbox._raw_size(e.payload) + coalesce(outbox._raw_size(e.headers), 0) + coalesce(octet_length(e.stream), 0),
            e.created_at >= since AND (until IS NULL OR e.created_at < until)
            AND (aggregate_types IS NULL OR e.aggregate_type = ANY (aggregate_types))
-           AND (wanted IS NULL OR e.event_id = ANY (wanted))
+           AND (wanted_by IS NULL OR EXISTS (SELECT 1 FROM outbox.replay_event_ids w
+                                              WHERE w.replay = wanted_by AND w.event_id = e.event_id))
       FROM unnest(event_ids) AS x(event_id)
       CROSS JOIN LATERAL (
           SELECT l.event_id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream, l.created_at
@@ -1615,11 +1642,11 @@ AS $fn$
       ) e;
 $fn$;
 
-COMMENT ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
+COMMENT ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) IS
     'outbox_pg: the journaled events still retained, without their payloads: stream, size, whether each matches a replay''s selection; relays only';
 
 CREATE OR REPLACE FUNCTION outbox._replay_events(event_ids uuid[], since timestamptz, until timestamptz,
-                                      aggregate_types text[], wanted uuid[])
+                                      aggregate_types text[], wanted_by bigint)
 RETURNS TABLE (event_id uuid, id bigint, aggregate_type text, aggregate_id text, event_type text,
                payload text, headers text, stream text, created_at text, matches boolean)
 LANGUAGE sql STABLE
@@ -1631,7 +1658,8 @@ AS $fn$
            e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
            e.created_at >= since AND (until IS NULL OR e.created_at < until)
            AND (aggregate_types IS NULL OR e.aggregate_type = ANY (aggregate_types))
-           AND (wanted IS NULL OR e.event_id = ANY (wanted))
+           AND (wanted_by IS NULL OR EXISTS (SELECT 1 FROM outbox.replay_event_ids w
+                                              WHERE w.replay = wanted_by AND w.event_id = e.event_id))
       FROM unnest(event_ids) AS x(event_id)
       CROSS JOIN LATERAL (
           SELECT l.event_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream,
@@ -1653,7 +1681,7 @@ AS $fn$
       ) e;
 $fn$;
 
-COMMENT ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
+COMMENT ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], bigint) IS
     'outbox_pg: the journaled events still retained, with whether each matches a replay''s selection; relays only';
 
 CREATE OR REPLACE FUNCTION outbox._replay_progress(replay bigint, relay_pid integer, next_round bigint, next_index integer,
@@ -1682,7 +1710,11 @@ AS $fn$
                claimed_by = CASE WHEN done THEN NULL ELSE r.claimed_by END,
                claimed_at = CASE WHEN done THEN NULL ELSE r.claimed_at END
          WHERE r.id = replay AND r.claimed_by = relay_pid AND r.state = 'running'
-        RETURNING 1
+        RETURNING r.state
+    ), forgotten AS (
+        -- A replay done needs its event_ids filter no more.
+        DELETE FROM outbox.replay_event_ids w
+         WHERE w.replay = _replay_progress.replay AND EXISTS (SELECT 1 FROM recorded WHERE recorded.state = 'done')
     )
     SELECT EXISTS (SELECT 1 FROM recorded);
 $fn$;
@@ -1793,9 +1825,9 @@ REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], 
 
 REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) FROM PUBLIC;
 

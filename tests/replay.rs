@@ -456,3 +456,55 @@ fn a_replay_sends_events_larger_than_a_round() {
     assert_eq!(wait_replay_done(&mut client, id), (3, 0, 0, 0));
     assert_eq!(env.redis.xlen("history:blob"), 3);
 }
+
+/// A replay filtered by 200,000 event ids (issue 35, item 4): the ids are held where each round
+/// probes them (`outbox.replay_event_ids`), never copied into the relay or into a round, so the
+/// relay's memory stays flat; the history stream gets exactly the listed events still retained,
+/// and the filter is gone once the replay is done.
+#[test]
+fn a_replay_filtered_by_many_event_ids_keeps_the_relays_memory_flat() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    let since = now(&mut client);
+    client
+        .batch_execute("SELECT outbox_enqueue('item', (n % 50)::text, 'e', '{}') FROM generate_series(1, 20000) n")
+        .unwrap();
+    env.redis.wait_for_entries("outbox:item", 20_000);
+    common::wait_drained(&mut client);
+    // Every tenth event, among 198,000 ids no event has.
+    let wanted: HashSet<String> = client
+        .query("SELECT event_id::text FROM outbox.messages WHERE id % 10 = 0", &[])
+        .unwrap()
+        .into_iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(wanted.len(), 2_000);
+    let relay = env.pg.relay_pid(&mut client);
+    let at_rest = outbox_testkit::rss_kb(relay);
+    let memory = outbox_testkit::PeakMemory::watch(relay);
+    let id: i64 = client
+        .query_one(
+            "SELECT outbox.replay(since => $1, \"into\" => 'hist:ids',
+                                  event_ids => (SELECT array_agg(x ORDER BY random()) FROM (
+                                      SELECT event_id AS x FROM outbox.messages WHERE id % 10 = 0
+                                      UNION ALL SELECT gen_random_uuid() FROM generate_series(1, 198000)) s))",
+            &[&since],
+        )
+        .unwrap()
+        .get(0);
+    let (replayed, filtered, missing, errors) = wait_replay_done(&mut client, id);
+    let peak = memory.peak_kb();
+    drop(memory);
+    assert!(
+        peak.saturating_sub(at_rest) < 16 * 1024,
+        "the relay's private memory grew from {at_rest} kB to {peak} kB for 200,000 event ids"
+    );
+    assert_eq!((replayed, filtered, missing, errors), (2_000, 18_000, 0, 0));
+    let sent: HashSet<String> = env.redis.entries("hist:ids").into_iter().map(|e| e["event_id"].clone()).collect();
+    assert_eq!(sent, wanted, "exactly the listed events");
+    assert_eq!(env.redis.xlen("hist:ids"), 2_000, "each once");
+    let listed: i64 = client.query_one("SELECT event_ids FROM outbox.replays WHERE id = $1", &[&id]).unwrap().get(0);
+    assert_eq!(listed, 200_000);
+    let kept: i64 = client.query_one("SELECT count(*) FROM outbox.replay_event_ids", &[]).unwrap().get(0);
+    assert_eq!(kept, 0, "the filter goes with the replay");
+}

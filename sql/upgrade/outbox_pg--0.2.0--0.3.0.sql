@@ -206,7 +206,9 @@ CREATE TABLE outbox.replay_requests (
     -- its characters).
     exact_streams   boolean     NOT NULL DEFAULT false,
     aggregate_types text[],
-    event_ids       uuid[],
+    -- How many event ids the event_ids filter lists (NULL: no such filter); the ids are in
+    -- outbox.replay_event_ids while the replay runs, where a round probes them per event.
+    event_ids       bigint,
     -- Sent to this stream instead of each event's own.
     to_stream       text,
     -- At most this many events a second (NULL: as fast as the relays go between live rounds).
@@ -243,6 +245,19 @@ COMMENT ON TABLE outbox.replay_requests IS
     'outbox_pg: replays asked for with outbox.replay(), with their progress (read them through outbox.replays)';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.replay_requests', '');
+
+-- A replay's event_ids filter, one row per id: a round probes it per event it examines (the
+-- relay never loads the list, however long). Deleted when the replay ends or is cancelled.
+CREATE TABLE outbox.replay_event_ids (
+    replay   bigint NOT NULL,
+    event_id uuid   NOT NULL,
+    PRIMARY KEY (replay, event_id)
+);
+
+COMMENT ON TABLE outbox.replay_event_ids IS
+    'outbox_pg: the event ids a running replay''s event_ids filter lists (outbox.replay)';
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_event_ids', '');
 
 -- -------------------------------------------------------------------------------------------------
 -- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.

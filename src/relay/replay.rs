@@ -57,14 +57,14 @@ impl Limits {
 const MIN_EXAMINED: usize = 256;
 
 const CLAIM: &str = "SELECT id, since::text, next_round, next_index, last_round, until::text, streams, \
-                     aggregate_types, event_ids::text[], to_stream, max_rate, exact_streams \
+                     aggregate_types, event_ids IS NOT NULL, to_stream, max_rate, exact_streams \
                      FROM outbox._claim_replay($1, $2)";
 const WALK: &str = "SELECT round, skip, event_ids::text[], seqs, events FROM outbox._replay_walk($1, $2, $3, $4, $5)";
 const SELECT: &str = "SELECT event_id::text, aggregate_type, event_type, stream, size, matches \
-                      FROM outbox._replay_select($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5::uuid[])";
+                      FROM outbox._replay_select($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5)";
 const EVENTS: &str = "SELECT event_id::text, id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
                       created_at, matches \
-                      FROM outbox._replay_events($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5::uuid[])";
+                      FROM outbox._replay_events($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5)";
 /// Whether any replay runs (or waits for its throttle); housekeeping asks it too.
 pub const REPLAYS_RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running')";
 /// The losses a finished replay was to repair and did not: it replayed nothing.
@@ -104,7 +104,9 @@ struct Claimed {
     /// `streams` are keys compared as they are, not patterns (outbox.repair_losses).
     exact_streams: bool,
     aggregate_types: Option<Vec<String>>,
-    event_ids: Option<Vec<String>>,
+    /// An `event_ids` filter applies: its ids stay in `outbox.replay_event_ids`, probed per event
+    /// examined (never loaded here, however many).
+    by_event_ids: bool,
     to_stream: Option<String>,
     max_rate: Option<i32>,
 }
@@ -118,7 +120,7 @@ impl Claimed {
             self.since.clone().into(),
             self.until.clone().into(),
             self.aggregate_types.clone().into(),
-            self.event_ids.clone().into(),
+            self.by_event_ids.then_some(self.id).into(),
         ]
     }
 }
@@ -292,7 +294,7 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                 until: row.get::<String>(6)?,
                 streams: row.get::<Vec<String>>(7)?,
                 aggregate_types: row.get::<Vec<String>>(8)?,
-                event_ids: row.get::<Vec<String>>(9)?,
+                by_event_ids: row.get::<bool>(9)?.unwrap_or(false),
                 to_stream: row.get::<String>(10)?,
                 max_rate: row.get::<i32>(11)?,
                 exact_streams: row.get::<bool>(12)?.unwrap_or(false),

@@ -29,7 +29,9 @@ CREATE TABLE outbox.replay_requests (
     -- its characters).
     exact_streams   boolean     NOT NULL DEFAULT false,
     aggregate_types text[],
-    event_ids       uuid[],
+    -- How many event ids the event_ids filter lists (NULL: no such filter); the ids are in
+    -- outbox.replay_event_ids while the replay runs, where a round probes them per event.
+    event_ids       bigint,
     -- Sent to this stream instead of each event's own.
     to_stream       text,
     -- At most this many events a second (NULL: as fast as the relays go between live rounds).
@@ -63,6 +65,17 @@ CREATE INDEX replay_requests_running_idx ON outbox.replay_requests (id) WHERE st
 COMMENT ON TABLE outbox.replay_requests IS
     'outbox_pg: replays asked for with outbox.replay(), with their progress (read them through outbox.replays)';
 SELECT pg_catalog.pg_extension_config_dump('outbox.replay_requests', '');
+
+-- A replay's event_ids filter, one row per id: a round probes it per event it examines (the
+-- relay never loads the list, however long). Deleted when the replay ends or is cancelled.
+CREATE TABLE outbox.replay_event_ids (
+    replay   bigint NOT NULL,
+    event_id uuid   NOT NULL,
+    PRIMARY KEY (replay, event_id)
+);
+COMMENT ON TABLE outbox.replay_event_ids IS
+    'outbox_pg: the event ids a running replay''s event_ids filter lists (outbox.replay)';
+SELECT pg_catalog.pg_extension_config_dump('outbox.replay_event_ids', '');
 
 CREATE VIEW outbox.replays AS
 SELECT r.id, r.state, r.requested_at, r.requested_by, r.since, r.until, r.published_since, r.streams,
@@ -254,11 +267,18 @@ BEGIN
     INSERT INTO outbox.replay_requests (since, until, published_since, streams, exact_streams, aggregate_types,
                                         event_ids, to_stream, max_rate, first_round, last_round, journaled,
                                         next_round, state, finished_at)
-    VALUES (since, until, published_since, streams, exact_streams AND streams IS NOT NULL, aggregate_types, event_ids,
+    VALUES (since, until, published_since, streams, exact_streams AND streams IS NOT NULL, aggregate_types,
+            CASE WHEN event_ids IS NOT NULL THEN (SELECT count(DISTINCT e) FROM unnest(event_ids) e) END,
             to_stream, max_rate, coalesce(first_round, 0), coalesce(last_round, -1), journaled, coalesce(first_round, 0),
             CASE WHEN first_round IS NULL THEN 'done' ELSE 'running' END,
             CASE WHEN first_round IS NULL THEN clock_timestamp() END)
     RETURNING id INTO created;
+    -- The filter in a table of its own, where each round probes it (never copied into a round).
+    IF event_ids IS NOT NULL AND first_round IS NOT NULL THEN
+        INSERT INTO outbox.replay_event_ids (replay, event_id)
+        SELECT created, e FROM unnest(event_ids) e
+        ON CONFLICT DO NOTHING;
+    END IF;
     PERFORM outbox._wake_for_replay();
     RETURN created;
 END
@@ -295,7 +315,11 @@ BEGIN
     END IF;
     UPDATE outbox.replay_requests r SET state = 'cancelled', finished_at = clock_timestamp()
      WHERE r.id = replay AND r.state = 'running';
-    RETURN FOUND;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    DELETE FROM outbox.replay_event_ids w WHERE w.replay = cancel_replay.replay;
+    RETURN true;
 END
 $fn$;
 COMMENT ON FUNCTION outbox.cancel_replay(bigint) IS
@@ -378,17 +402,19 @@ COMMENT ON FUNCTION outbox._raw_size(jsonb) IS
     'outbox_pg: the uncompressed size of a jsonb value, without detoasting it; internal';
 
 -- -------------------------------------------------------------------------------------------------
--- outbox._replay_select(event_ids, since, until, aggregate_types, wanted)
+-- outbox._replay_select(event_ids, since, until, aggregate_types, wanted_by)
 --
 --     What a replay round chooses by, without the payloads: the events of event_ids still in the
 --     log (or in outbox.held), each with what its stream key is made of, about how many bytes it
 --     takes on the wire (its payload and headers uncompressed, from their headers: no TOAST read), and
 --     whether it matches the replay's selection. One index probe per event and table.
--- Reads:   outbox.events_0..2 (event_id indexes), outbox.held
+--     wanted_by names the replay whose event_ids filter (outbox.replay_event_ids) applies, one
+--     primary-key probe per event (NULL: no such filter).
+-- Reads:   outbox.events_0..2 (event_id indexes), outbox.held, outbox.replay_event_ids
 -- Called by: a relay's replay round, before outbox._replay_events fetches the events it sends
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._replay_select(event_ids uuid[], since timestamptz, until timestamptz,
-                                      aggregate_types text[], wanted uuid[])
+                                      aggregate_types text[], wanted_by bigint)
 RETURNS TABLE (event_id uuid, aggregate_type text, event_type text, stream text, size bigint, matches boolean)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -400,7 +426,8 @@ AS $fn$
                + outbox._raw_size(e.payload) + coalesce(outbox._raw_size(e.headers), 0) + coalesce(octet_length(e.stream), 0),
            e.created_at >= since AND (until IS NULL OR e.created_at < until)
            AND (aggregate_types IS NULL OR e.aggregate_type = ANY (aggregate_types))
-           AND (wanted IS NULL OR e.event_id = ANY (wanted))
+           AND (wanted_by IS NULL OR EXISTS (SELECT 1 FROM outbox.replay_event_ids w
+                                              WHERE w.replay = wanted_by AND w.event_id = e.event_id))
       FROM unnest(event_ids) AS x(event_id)
       CROSS JOIN LATERAL (
           SELECT l.event_id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream, l.created_at
@@ -417,21 +444,21 @@ AS $fn$
           LIMIT 1
       ) e;
 $fn$;
-COMMENT ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
+COMMENT ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) IS
     'outbox_pg: the journaled events still retained, without their payloads: stream, size, whether each matches a replay''s selection; relays only';
 
 -- -------------------------------------------------------------------------------------------------
--- outbox._replay_events(event_ids, since, until, aggregate_types, wanted)
+-- outbox._replay_events(event_ids, since, until, aggregate_types, wanted_by)
 --
 --     The events of event_ids still in the log (or, published from the failure path, in
 --     outbox.held), each with whether it matches the replay's selection. One index probe per event
 --     and table, whatever the statistics.
 -- Returns: per event found: its fields in the text form entries carry, and matches
--- Reads:   outbox.events_0..2 (event_id indexes), outbox.held
+-- Reads:   outbox.events_0..2 (event_id indexes), outbox.held, outbox.replay_event_ids (wanted_by)
 -- Called by: a relay's replay round
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._replay_events(event_ids uuid[], since timestamptz, until timestamptz,
-                                      aggregate_types text[], wanted uuid[])
+                                      aggregate_types text[], wanted_by bigint)
 RETURNS TABLE (event_id uuid, id bigint, aggregate_type text, aggregate_id text, event_type text,
                payload text, headers text, stream text, created_at text, matches boolean)
 LANGUAGE sql STABLE
@@ -443,7 +470,8 @@ AS $fn$
            e.stream, to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'),
            e.created_at >= since AND (until IS NULL OR e.created_at < until)
            AND (aggregate_types IS NULL OR e.aggregate_type = ANY (aggregate_types))
-           AND (wanted IS NULL OR e.event_id = ANY (wanted))
+           AND (wanted_by IS NULL OR EXISTS (SELECT 1 FROM outbox.replay_event_ids w
+                                              WHERE w.replay = wanted_by AND w.event_id = e.event_id))
       FROM unnest(event_ids) AS x(event_id)
       CROSS JOIN LATERAL (
           SELECT l.event_id, l.id, l.aggregate_type, l.aggregate_id, l.event_type, l.payload, l.headers, l.stream,
@@ -464,7 +492,7 @@ AS $fn$
           LIMIT 1
       ) e;
 $fn$;
-COMMENT ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) IS
+COMMENT ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], bigint) IS
     'outbox_pg: the journaled events still retained, with whether each matches a replay''s selection; relays only';
 
 -- -------------------------------------------------------------------------------------------------
@@ -505,7 +533,11 @@ AS $fn$
                claimed_by = CASE WHEN done THEN NULL ELSE r.claimed_by END,
                claimed_at = CASE WHEN done THEN NULL ELSE r.claimed_at END
          WHERE r.id = replay AND r.claimed_by = relay_pid AND r.state = 'running'
-        RETURNING 1
+        RETURNING r.state
+    ), forgotten AS (
+        -- A replay done needs its event_ids filter no more.
+        DELETE FROM outbox.replay_event_ids w
+         WHERE w.replay = _replay_progress.replay AND EXISTS (SELECT 1 FROM recorded WHERE recorded.state = 'done')
     )
     SELECT EXISTS (SELECT 1 FROM recorded);
 $fn$;
@@ -639,8 +671,8 @@ REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], uuid[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) FROM PUBLIC;

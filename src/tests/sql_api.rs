@@ -1219,8 +1219,8 @@ fn schema_is_registered_for_pg_dump_and_the_log_is_insert_only() {
     assert_eq!(
         dumped,
         "aggregates:,consumers:,events_0:,events_1:,events_2:,events_id_seq:,generations:,held:,journal_0:,journal_1:,\
-         journal_2:,journal_round_seq:,processed_messages:,redis_loss_id_seq:,redis_losses:,replay_id_seq:,replay_requests:,\
-         shards:"
+         journal_2:,journal_round_seq:,processed_messages:,redis_loss_id_seq:,redis_losses:,replay_event_ids:,replay_id_seq:,\
+         replay_requests:,shards:"
     );
     // Two indexes per log table, the seeds' count: the relays' (shard, txid) and event_id.
     let indexes = Spi::get_one::<String>(
