@@ -1308,6 +1308,32 @@ fn replay_to_stream_is_named_without_quotes() {
     assert_eq!(shown.unwrap().as_deref(), Some("history:order"));
 }
 
+/// A replay's event_ids filter is kept in outbox.replay_event_ids, once per id, counted in
+/// outbox.replays, and goes when the replay is cancelled (issue 35, item 4).
+#[pg_test]
+fn a_replays_event_ids_are_a_table_of_their_own_until_it_ends() {
+    // A journal round for the replay to walk.
+    Spi::run("INSERT INTO outbox.journal_0 (round, finished_at, events, event_ids, seqs) VALUES (1, now(), 0, '{}', '{}')")
+        .unwrap();
+    let id = Spi::get_one::<i64>(
+        "SELECT outbox.replay(now() - interval '1 minute', partial => true,
+                              event_ids => (SELECT array_agg(gen_random_uuid()) || array_agg(x.e) FROM generate_series(1, 3) n,
+                                            LATERAL (SELECT '00000000-0000-0000-0000-000000000001'::uuid AS e) x))",
+    )
+    .unwrap()
+    .unwrap();
+    let kept = || Spi::get_one::<i64>("SELECT count(*) FROM outbox.replay_event_ids").unwrap().unwrap();
+    assert_eq!(kept(), 4, "three ids and one listed three times");
+    let listed = Spi::get_one_with_args::<i64>("SELECT event_ids FROM outbox.replays WHERE id = $1", &[id.into()]);
+    assert_eq!(listed.unwrap(), Some(4));
+    let unfiltered = Spi::get_one::<i64>("SELECT outbox.replay(now() - interval '1 minute', partial => true)");
+    let unfiltered = unfiltered.unwrap().unwrap();
+    let none = Spi::get_one_with_args::<i64>("SELECT event_ids FROM outbox.replays WHERE id = $1", &[unfiltered.into()]);
+    assert_eq!(none.unwrap(), None, "no filter");
+    assert_eq!(Spi::get_one_with_args::<bool>("SELECT outbox.cancel_replay($1)", &[id.into()]).unwrap(), Some(true));
+    assert_eq!(kept(), 0, "the filter goes with the replay");
+}
+
 /// repair_losses replays exactly the stream Redis lost (no glob, no comma, no trimming), and a
 /// loss counts in outbox.stats.redis_data_loss until a replay is done having replayed events: a
 /// repair that replayed nothing, was cancelled or refused by Redis does not repair it, and
