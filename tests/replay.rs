@@ -484,7 +484,7 @@ fn a_replay_filtered_by_many_event_ids_keeps_the_relays_memory_flat() {
     let memory = outbox_testkit::PeakMemory::watch(relay);
     let id: i64 = client
         .query_one(
-            "SELECT outbox.replay(since => $1, \"into\" => 'hist:ids',
+            "SELECT outbox.replay(since => $1, to_stream => 'hist:ids',
                                   event_ids => (SELECT array_agg(x ORDER BY random()) FROM (
                                       SELECT event_id AS x FROM outbox.messages WHERE id % 10 = 0
                                       UNION ALL SELECT gen_random_uuid() FROM generate_series(1, 198000)) s))",
