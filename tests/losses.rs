@@ -101,6 +101,37 @@ fn a_stream_deleted_and_written_to_again_before_its_first_check_is_a_loss() {
     assert_eq!(client.query_one("SELECT count(*) FROM outbox.redis_losses", &[]).unwrap().get::<_, i64>(0), 2);
 }
 
+/// The same Redis reached with other credentials (a rotated password, a user of its own) is not
+/// another Redis: the relay keeps checking the streams it wrote there (found by attack: the
+/// change of URL dropped every mark, and the stored ones were reloaded only when the relay
+/// restarted, so a FLUSHALL after a password rotation went unnoticed).
+#[test]
+fn new_credentials_for_the_same_redis_keep_its_streams_checked() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    for _ in 0..2 {
+        enqueue_to(&mut client, "cred", "1", None);
+    }
+    env.redis.wait_for_entries("outbox:cred", 2);
+    let _: () = env.redis.query(redis::cmd("ACL").arg(&["SETUSER", "rotated", "on", ">pw-2", "~*", "&*", "+@all"][..]));
+    env.pg.set(&mut client, &[("outbox.redis_url", &format!("redis://rotated:pw-2@127.0.0.1:{}", env.redis.port))]);
+    // Applied once the relay publishes as the new user (the target it logs is the same).
+    let mut n = 0;
+    wait_for(DEADLINE, "the relay to publish as the new user", || {
+        n += 1;
+        enqueue_to(&mut client, "other", &n.to_string(), None);
+        env.redis.wait_for_entries("outbox:other", n);
+        let clients: String = env.redis.query(redis::cmd("CLIENT").arg("LIST"));
+        clients.contains("user=rotated").then_some(())
+    });
+    let _: () = env.redis.query(&redis::cmd("FLUSHALL"));
+    kill_relay_connections(&env);
+    enqueue_to(&mut client, "other", "0", None);
+    wait_for(DEADLINE, "the loss of outbox:cred to be recorded", || {
+        (losses(&mut client, "outbox:cred") == 1).then_some(())
+    });
+}
+
 /// outbox.redis_url moved from database 0 to database 1 of the same server: the marks of database
 /// 0 are not checked against database 1, after a reload or a relay restart.
 #[test]
@@ -321,6 +352,18 @@ fn crash_both_servers(point: CrashPoint) {
     let mut client = env.pg.connect();
     enqueue_to(&mut client, "warm", "1", None);
     env.redis.wait_for_entries("outbox:warm", 1);
+    // Its round finished too: a finish still to come would fire crash_after_finish, armed below,
+    // before the five events are even enqueued (seen on a loaded machine).
+    wait_for(DEADLINE, "the warm-up event published", || {
+        let published: i64 = client
+            .query_one(
+                "SELECT count(*) FROM outbox.messages WHERE aggregate_type = 'warm' AND status = 'published'",
+                &[],
+            )
+            .unwrap()
+            .get(0);
+        (published == 1).then_some(())
+    });
     let _: String = env.redis.query(&redis::cmd("SAVE"));
     let fault = match point {
         CrashPoint::BeforeFinish => "crash_after_publish",

@@ -340,15 +340,19 @@ pub fn last_generated_ids(
             // Per-stream errors come back as values, not as a failure of the whole pipeline.
             pipe.ignore_errors().query(connection).map_err(failed)?
         }
-        Query::Xinfo => {
-            let mut replies = Vec::with_capacity(streams.len());
+        // One stream per call, its reply parsed before the next is asked for: XINFO STREAM's reply
+        // carries the stream's first and last entries whole, and only one stream's may be held.
+        Query::Xinfo if streams.len() != 1 => {
+            let mut found = Vec::with_capacity(streams.len());
             for stream in streams {
-                let mut pipe = redis::pipe();
-                pipe.cmd("XINFO").arg("STREAM").arg(stream);
-                let mut reply: Vec<redis::Value> = pipe.ignore_errors().query(connection).map_err(failed)?;
-                replies.push(reply.pop().unwrap_or(redis::Value::Nil));
+                found.extend(last_generated_ids(connection, std::slice::from_ref(stream), query)?);
             }
-            replies
+            return Ok(found);
+        }
+        Query::Xinfo => {
+            let mut pipe = redis::pipe();
+            pipe.cmd("XINFO").arg("STREAM").arg(&streams[0]);
+            pipe.ignore_errors().query(connection).map_err(failed)?
         }
     };
     let mut found = Vec::with_capacity(streams.len());

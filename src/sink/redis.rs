@@ -113,18 +113,19 @@ impl RedisSink {
     /// publish connects with the new one.
     pub fn configure(&mut self, config: RedisConfig) {
         if self.config.as_ref() != Some(&config) {
-            let elsewhere = self.config.as_ref().is_none_or(|old| {
-                (old.url.as_str(), old.mode, old.sentinel_master.as_str())
-                    != (config.url.as_str(), config.mode, config.sentinel_master.as_str())
-            });
-            if elsewhere {
+            // Another Redis (or database number), as the marks name it: the same servers reached
+            // with other credentials (a rotated password, a user of their own) are not elsewhere,
+            // and the relay, which reloads stored marks only when this target changes, would
+            // otherwise check nothing until it restarted.
+            let before = self.config.is_some().then(|| self.marks_target());
+            self.config = Some(config);
+            if before.is_none_or(|before| before != self.marks_target()) {
                 // What the relay knows of the streams of one Redis says nothing of another's.
                 self.marks = Marks::default();
                 self.losses.clear();
             }
             self.disconnect();
             self.check_query = Query::default();
-            self.config = Some(config);
         }
     }
 
@@ -210,10 +211,19 @@ impl RedisSink {
             self.max_argument = node::max_argument(&mut connection);
             self.learnt(node::capabilities(&mut connection));
             self.single = Some(connection);
-            self.marks.reconnected();
+            self.reconnected();
         }
         // The branch above either filled the slot or returned.
         self.single.as_mut().ok_or_else(|| BrokerError("no connection".into()))
+    }
+
+    /// A new connection: the marks are checked again, and a check Redis refused (an ACL without
+    /// `+xinfo|stream`, or `EVAL` denied) is tried again, so that a grant takes effect at the next
+    /// connection rather than at the relay's restart.
+    fn reconnected(&mut self) {
+        self.marks.reconnected();
+        self.check_refused = None;
+        self.check_query = Query::default();
     }
 
     /// The connection to cluster node `addr`, connected if needed.
@@ -228,7 +238,7 @@ impl RedisSink {
                 self.learnt(node::capabilities(&mut connection));
             }
             self.nodes.insert(addr.clone(), connection);
-            self.marks.reconnected();
+            self.reconnected();
         }
         self.nodes.get_mut(addr).ok_or_else(|| BrokerError("no connection".into()))
     }
@@ -603,12 +613,13 @@ impl RedisSink {
         self.marks.adopt(stored);
     }
 
-    /// While a pass over the marks is under way (src/sink/marks.rs), checks its next chunk of
-    /// streams on the connection already open (a new one begins the pass again); whether streams
-    /// are left. For the turns of a relay with nothing to publish. A failure drops the connection
-    /// (the next round connects anew, and checks again).
+    /// While a pass over the marks is under way or due (src/sink/marks.rs: every `CHECK_EVERY`),
+    /// checks its next chunk of streams on the connection already open (a new one begins the pass
+    /// again); whether streams are left. For the turns of a relay with nothing to publish, so that
+    /// an idle relay notices a loss too. A failure drops the connection (the next round connects
+    /// anew, and checks again).
     pub fn check_between_rounds(&mut self) -> bool {
-        if !self.marks.checking() || !self.is_connected() {
+        if !(self.marks.checking() || self.marks.check_due()) || !self.is_connected() {
             return false;
         }
         let _quiet = node::SignalsDeferred::new();
