@@ -76,6 +76,46 @@ COMMENT ON VIEW outbox.messages IS
     'outbox_pg: every event and its status (pending, published, failed, skipped), from the log, the shards'' cursors and the failure path';
 
 -- -------------------------------------------------------------------------------------------------
+-- outbox._check_event_ids(caller, ids, hint)
+--
+--     Refuses a list of outbox.messages ids that cannot name an event: empty (22023; NULL itself
+--     is the caller's to allow), holding a NULL (22004) or an id below 1 (22023).
+--
+-- Parameters:
+--     caller  the function checked, for the message
+--     ids     the list
+--     hint    what to pass instead
+-- Called by: outbox.retry_failed, outbox.skip_failed
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._check_event_ids(caller text, ids bigint[], hint text)
+RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+BEGIN
+    IF ids IS NULL THEN
+        RETURN;
+    END IF;
+    IF cardinality(ids) = 0 THEN
+        RAISE EXCEPTION '%: ids is empty: it names no event', caller
+            USING ERRCODE = 'invalid_parameter_value', HINT = hint;
+    END IF;
+    IF array_position(ids, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION '%: ids holds a NULL (got %)', caller, ids
+            USING ERRCODE = 'null_value_not_allowed', HINT = hint;
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(ids) i WHERE i < 1) THEN
+        RAISE EXCEPTION '%: ids holds %, which is no event id (they start at 1)', caller,
+                        (SELECT min(i) FROM unnest(ids) i)
+            USING ERRCODE = 'invalid_parameter_value', HINT = hint;
+    END IF;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._check_event_ids(text, bigint[], text) IS
+    'Internal: refuses an empty list of event ids, a NULL in it, or an id below 1';
+
+-- -------------------------------------------------------------------------------------------------
 -- outbox.retry_failed(ids)
 --
 --     Puts failed (dead-lettered) events back on the failure path as waiting, due now, with their
@@ -90,17 +130,20 @@ COMMENT ON VIEW outbox.messages IS
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox.retry_failed(ids bigint[] DEFAULT NULL)
 RETURNS bigint
-LANGUAGE sql VOLATILE
+LANGUAGE plpgsql VOLATILE
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
-    WITH retried AS (
-        UPDATE outbox.held h
-           SET status = 'waiting', attempts = 0, rejections = 0, available_at = NULL, failed_at = NULL
-         WHERE h.status = 'failed' AND (ids IS NULL OR h.id = ANY (ids))
-        RETURNING 1
-    )
-    SELECT count(*) FROM retried
+DECLARE
+    retried bigint;
+BEGIN
+    PERFORM outbox._check_event_ids('outbox.retry_failed', ids, 'Pass NULL (the default) to retry every failed event.');
+    UPDATE outbox.held h
+       SET status = 'waiting', attempts = 0, rejections = 0, available_at = NULL, failed_at = NULL
+     WHERE h.status = 'failed' AND (ids IS NULL OR h.id = ANY (ids));
+    GET DIAGNOSTICS retried = ROW_COUNT;
+    RETURN retried;
+END
 $fn$;
 
 COMMENT ON FUNCTION outbox.retry_failed(bigint[]) IS
@@ -133,6 +176,7 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value',
                   HINT = 'Skipping drops events for good; list them, e.g. outbox.skip_failed(ARRAY(SELECT id FROM outbox.messages WHERE status = ''failed'' AND ...)).';
     END IF;
+    PERFORM outbox._check_event_ids('outbox.skip_failed', ids, 'List the failed events by outbox.messages.id.');
     UPDATE outbox.held h
        SET status = 'skipped', published_at = clock_timestamp()
      WHERE h.status = 'failed' AND h.id = ANY (ids);
@@ -237,6 +281,7 @@ COMMENT ON FUNCTION outbox.purge(interval) IS
     'Deletes published and skipped events older than older_than (whole log tables once consumed); returns how many';
 
 -- Privileges: operations are for outbox_admin.
+REVOKE ALL ON FUNCTION outbox._check_event_ids(text, bigint[], text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.retry_failed(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.skip_failed(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.purge(interval) FROM PUBLIC;

@@ -1018,6 +1018,19 @@ fn the_failure_path_keeps_each_aggregates_order_until_retried_or_skipped() {
     assert_eq!(view, "skipped,published,pending");
     let (code, _) = error_of("SELECT outbox.skip_failed('{}')");
     assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE");
+    // A list that can name no event is refused, naming what is wrong (found by attack: these
+    // returned 0 without a word).
+    for (call, expected, said) in [
+        ("SELECT outbox.retry_failed('{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "ids is empty"),
+        ("SELECT outbox.retry_failed(ARRAY[NULL]::bigint[])", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "holds a NULL"),
+        ("SELECT outbox.retry_failed(ARRAY[-5])", "ERRCODE_INVALID_PARAMETER_VALUE", "holds -5"),
+        ("SELECT outbox.skip_failed(ARRAY[-5, NULL])", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "holds a NULL"),
+        ("SELECT outbox.skip_failed(ARRAY[0])", "ERRCODE_INVALID_PARAMETER_VALUE", "holds 0"),
+    ] {
+        let (code, message) = error_of(call);
+        assert_eq!(code, expected, "{call}: {message}");
+        assert!(message.contains(said), "{call}: {message}");
+    }
 }
 
 #[pg_test]
