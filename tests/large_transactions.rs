@@ -10,17 +10,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{wait_for, Env, DEADLINE};
-use outbox_testkit::{rss_kb, PeakMemory};
-
-/// The `VmSize` of process `pid`, in kB.
-fn vm_size_kb(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
+use outbox_testkit::{rss_kb, vm_size_kb, PeakMemory};
 
 /// 200,000 events of 1 KB each (about 230 MB as the relay holds them) in one transaction, with
 /// every server process's address space limited to 192 MB above what the relay maps at rest:

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{enqueue_to, wait_for, Cluster, Env, Redis, DEADLINE, RELAY_ACL_USER};
-use outbox_testkit::{as_server_user, rss_kb, PeakMemory};
+use outbox_testkit::{as_server_user, rss_kb, vm_size_kb, PeakMemory};
 
 fn losses(client: &mut postgres::Client, stream: &str) -> i64 {
     client.query_one("SELECT count(*) FROM outbox.redis_losses WHERE stream = $1", &[&stream]).unwrap().get(0)
@@ -19,16 +19,6 @@ fn xlen(env: &Env, db: i64, stream: &str) -> i64 {
     let mut connection = env.redis.connection();
     redis::cmd("SELECT").arg(db).query::<()>(&mut connection).unwrap();
     redis::cmd("XLEN").arg(stream).query(&mut connection).unwrap()
-}
-
-/// The `VmSize` of process `pid`, in kB.
-fn vm_size_kb(pid: i32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|line| line.strip_prefix("VmSize:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// Limits process `pid`'s address space to `kb` (`prlimit --as`, as the server's OS user: root

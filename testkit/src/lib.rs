@@ -31,7 +31,7 @@ mod wait;
 
 pub use cluster::{ClusterNode, ClusterOptions, RedisCluster};
 pub use dirs::{scratch_root, TempDir};
-pub use memory::{rss_kb, PeakMemory};
+pub use memory::{rss_kb, vm_size_kb, PeakMemory};
 pub use os::{as_server_user, chown_to_server_user, free_port, output_within, run, running_as_root};
 pub use postgres::{default_pg_config, try_connect, Cluster, ClusterBuilder, PgInstall};
 pub use redis_server::{redis_client, redis_server_binary, stream_keys_on, Redis, RedisOptions, StreamStore};

@@ -8,10 +8,21 @@ use std::time::Duration;
 /// The private resident memory of process `pid`, in kB (RssAnon: not the shared buffers it reads
 /// the log through, which VmRSS counts too); 0 when the process is gone.
 pub fn rss_kb(pid: i32) -> u64 {
+    status_kb(pid, "RssAnon:")
+}
+
+/// The address space of process `pid` (`VmSize`), in kB, which `prlimit --as` bounds; 0 when the
+/// process is gone.
+pub fn vm_size_kb(pid: i32) -> u64 {
+    status_kb(pid, "VmSize:")
+}
+
+/// A `kB` field of `/proc/<pid>/status`.
+fn status_kb(pid: i32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .find_map(|line| line.strip_prefix("RssAnon:"))
+        .find_map(|line| line.strip_prefix(field))
         .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }
