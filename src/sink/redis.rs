@@ -124,8 +124,8 @@ impl RedisSink {
                 self.marks = Marks::default();
                 self.losses.clear();
             }
+            // The next connection tries every check again (`reconnected`).
             self.disconnect();
-            self.check_query = Query::default();
         }
     }
 
