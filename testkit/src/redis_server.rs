@@ -184,6 +184,18 @@ impl Redis {
         wait_for(DEADLINE, &format!("redis-server to start again on port {port}"), || self.launch().then_some(()));
     }
 
+    /// Makes the next (re)start a replica of the server on `port` (`--replicaof`), or a master
+    /// (`None`), whatever it was started as.
+    pub fn replicate(&mut self, port: Option<u16>) {
+        let args = &mut self.options.args;
+        if let Some(i) = args.iter().position(|a| a == "--replicaof") {
+            args.drain(i..(i + 3).min(args.len()));
+        }
+        if let Some(port) = port {
+            args.extend(["--replicaof".to_string(), "127.0.0.1".to_string(), port.to_string()]);
+        }
+    }
+
     /// Kills the server (SIGKILL: nothing is handed over or flushed) and waits for it to be gone.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -138,8 +138,12 @@ impl SentinelSet {
                 && self.replica.info_field("replication", "role").as_deref() == Some("master"))
             .then_some(())
         });
-        // Only now: an old master back (empty, no persistence) before the failover would be taken
-        // back as master and wipe the replica.
+        // Only now, and as the new master's replica, the way an operator brings a failed node
+        // back: an empty master back before the failover would be taken back as master and wipe
+        // the replica, and one back as a master after it is one a stale sentinel may still name
+        // (a relay then wrote to it, and the sentinels took more than a minute to convert it).
+        self.master.replicate(Some(self.replica.port));
+        self.replica.replicate(None);
         self.master.restart();
         wait_for(DEADLINE, "the old master to replicate the new one", || {
             (self.master.info_field("replication", "master_link_status").as_deref() == Some("up")
