@@ -206,12 +206,29 @@ fn replay_refuses_a_range_retention_removed_and_bad_arguments() {
         ("SELECT outbox.replay(now(), to_stream => 'elsewhere')", "42501"),
         ("SELECT outbox.replay(now(), streams => ARRAY['outbox:*', ''])", "22023"),
         ("SELECT outbox.replay(now(), max_rate => 0)", "22023"),
+        ("SELECT outbox.replay('infinity')", "22023"),
+        ("SELECT outbox.replay(now(), published_since => 'infinity')", "22023"),
+        ("SELECT outbox.replay(now(), event_ids => '{}')", "22023"),
+        ("SELECT outbox.replay(now(), aggregate_types => '{}')", "22023"),
+        (r"SELECT outbox.replay(now(), streams => ARRAY['outbox:a\'])", "22023"),
     ] {
         let error = client.query_one(sql, &[]).unwrap_err();
         let db = error.as_db_error().expect("a database error");
         assert_eq!(db.code().code(), code, "{sql}: {db:?}");
         assert!(db.hint().is_some(), "{sql}: a hint");
     }
+    // Each says what is wrong, not what a neighbouring check wants.
+    for (sql, says) in [
+        ("SELECT outbox.replay(now(), event_ids => '{}')", "event_ids is an empty list"),
+        (r"SELECT outbox.replay(now(), streams => ARRAY['outbox:a\'])", r"pattern outbox:a\ ends in a backslash"),
+        ("SELECT outbox.replay('infinity')", "since is infinity"),
+    ] {
+        let error = client.query_one(sql, &[]).unwrap_err();
+        let db = error.as_db_error().expect("a database error");
+        assert!(db.message().contains(says), "{sql}: {db:?}");
+    }
+    // An escaped backslash at the end is a literal one, and fine.
+    client.query_one(r"SELECT outbox.replay(now(), streams => ARRAY['outbox:a\\'])", &[]).unwrap();
 }
 
 /// A replay interrupted by a relay kill and a Redis outage goes on from where it stood and

@@ -149,8 +149,9 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
 -- Returns:
 --     the replay's id (outbox.replays)
 -- Raises:
---     22004 for a NULL since or partial; 22023 for an empty range, empty or overlong to_stream, an
---     empty list of streams, aggregate types or event ids (or one with a NULL or empty element), a
+--     22004 for a NULL since or partial; 22023 for an infinite since or published_since, an empty
+--     range, empty or overlong to_stream, an empty list of streams, aggregate types or event ids (or
+--     one with a NULL or empty element), a stream pattern ending in an escaping backslash, a
 --     max_rate below 1, a range starting before this installation began recording, and a range
 --     retention removed in part (unless partial); 42501 for a to_stream outbox.allowed_streams does not
 --     allow
@@ -194,6 +195,7 @@ AS $fn$
 DECLARE
     kept_since timestamptz;
     journaled_since timestamptz;
+    unfinished_pattern text;
     first_round bigint;
     last_round bigint;
     journaled bigint;
@@ -209,6 +211,13 @@ BEGIN
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass partial => true to replay what is left of a range retention removed in part, or false (the default).';
     END IF;
+    -- 'infinity' parses as a time, and would select nothing while the replay reports done.
+    IF since = 'infinity' OR published_since = 'infinity' THEN
+        RAISE EXCEPTION 'outbox.replay: % is infinity: no event is enqueued or published after it',
+                        CASE WHEN since = 'infinity' THEN 'since' ELSE 'published_since' END
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass a finite time, e.g. now() - interval ''1 hour'', or -infinity for everything retained.';
+    END IF;
     IF until IS NOT NULL AND until <= since THEN
         RAISE EXCEPTION 'outbox.replay: the range [%, %) is empty', since, until
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass an until later than since, or none.';
@@ -220,20 +229,30 @@ BEGIN
     IF to_stream IS NOT NULL THEN
         PERFORM outbox._check_allowed_stream(to_stream);
     END IF;
-    IF streams IS NOT NULL AND (cardinality(streams) = 0
-                                OR EXISTS (SELECT 1 FROM unnest(streams) s
-                                            WHERE s IS NULL OR (s = '' AND NOT exact_streams))) THEN
+    -- An empty list would select nothing: NULL is "every".
+    IF cardinality(streams) = 0 OR cardinality(aggregate_types) = 0 OR cardinality(event_ids) = 0 THEN
+        RAISE EXCEPTION 'outbox.replay: % is an empty list, which selects no event',
+                        CASE WHEN cardinality(streams) = 0 THEN 'streams'
+                             WHEN cardinality(aggregate_types) = 0 THEN 'aggregate_types' ELSE 'event_ids' END
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every one, or list at least one.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(streams) s WHERE s IS NULL OR (s = '' AND NOT exact_streams)) THEN
         RAISE EXCEPTION 'outbox.replay: streams must list keys or patterns, none of them empty or NULL (got %)', streams
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every stream.';
     END IF;
-    IF aggregate_types IS NOT NULL AND (cardinality(aggregate_types) = 0
-                                        OR EXISTS (SELECT 1 FROM unnest(aggregate_types) a WHERE a IS NULL OR a = '')) THEN
+    -- A pattern's backslash escapes the next character; one that ends the pattern escapes nothing.
+    SELECT s INTO unfinished_pattern FROM unnest(streams) s WHERE NOT exact_streams AND s ~ '(^|[^\\])(\\\\)*\\$' LIMIT 1;
+    IF unfinished_pattern IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox.replay: the stream pattern % ends in a backslash that escapes nothing', unfinished_pattern
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Write \\ for a backslash in the key; \* and \? match a literal * and ?.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(aggregate_types) a WHERE a IS NULL OR a = '') THEN
         RAISE EXCEPTION 'outbox.replay: aggregate_types must list aggregate types, none of them empty or NULL (got %)',
                         aggregate_types
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every aggregate type.';
     END IF;
-    IF event_ids IS NOT NULL AND (cardinality(event_ids) = 0
-                                  OR EXISTS (SELECT 1 FROM unnest(event_ids) e WHERE e IS NULL)) THEN
+    IF EXISTS (SELECT 1 FROM unnest(event_ids) e WHERE e IS NULL) THEN
         RAISE EXCEPTION 'outbox.replay: event_ids must list event ids, none of them NULL (got %)', event_ids
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every event.';
     END IF;

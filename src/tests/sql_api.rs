@@ -1287,10 +1287,10 @@ fn replay_cancel_and_repair_refuse_bad_arguments() {
         ("SELECT outbox.repair_losses(ARRAY[NULL::bigint])", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "must not hold NULL"),
         ("SELECT outbox.repair_losses(ARRAY[424242])", "ERRCODE_INVALID_PARAMETER_VALUE", "{424242}"),
         ("SELECT outbox.replay(now(), partial => NULL)", "ERRCODE_NULL_VALUE_NOT_ALLOWED", "partial must not be NULL"),
-        ("SELECT outbox.replay(now(), aggregate_types => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_types must list"),
+        ("SELECT outbox.replay(now(), aggregate_types => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_types is an empty list"),
         ("SELECT outbox.replay(now(), aggregate_types => ARRAY[NULL])", "ERRCODE_INVALID_PARAMETER_VALUE", "aggregate_types must list"),
-        ("SELECT outbox.replay(now(), event_ids => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "event_ids must list"),
-        ("SELECT outbox.replay(now(), streams => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "streams must list"),
+        ("SELECT outbox.replay(now(), event_ids => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "event_ids is an empty list"),
+        ("SELECT outbox.replay(now(), streams => '{}')", "ERRCODE_INVALID_PARAMETER_VALUE", "streams is an empty list"),
         // Before the installation: nothing was recorded then, and retention removed nothing.
         ("SELECT outbox.replay('2001-01-01')", "ERRCODE_INVALID_PARAMETER_VALUE", "before anything was recorded"),
     ] {
