@@ -170,7 +170,10 @@ BEGIN
                 events      integer     NOT NULL,
                 -- In the order Redis received them, and the aggregate_seq each was sent with.
                 event_ids   uuid[]      NOT NULL,
-                seqs        bigint[]    NOT NULL
+                seqs        bigint[]    NOT NULL,
+                -- The stream keys they went to, so that a repair walks only the rounds that wrote
+                -- to the stream Redis lost (NULL: not recorded, walked whatever the stream).
+                streams     text[]
             ) WITH (autovacuum_vacuum_insert_threshold = -1)$ddl$, generation);
         -- Stored out of line as they are: a round's ids (16 bytes of randomness each) do not
         -- compress, and trying (pglz) took 13% of the relay's CPU in a drain.
@@ -683,7 +686,8 @@ REVOKE ALL ON FUNCTION outbox._settle_held(bigint[], bigint[], text[], integer, 
 CREATE OR REPLACE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
                                 window_uptos text[], window_max_ids bigint[], window_last_ids bigint[],
                                 aggregate_types text[], aggregate_ids text[], last_seqs bigint[],
-                                counted boolean[], published uuid[], published_seqs bigint[])
+                                counted boolean[], published uuid[], published_seqs bigint[],
+                                published_streams text[] DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -739,20 +743,23 @@ BEGIN
         SELECT g.generation INTO current_generation FROM outbox.generations g WHERE g.state = 'current';
         round := nextval('outbox.journal_round_seq');
         IF current_generation = 0 THEN
-            INSERT INTO outbox.journal_0 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+            INSERT INTO outbox.journal_0 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs,
+                                                 published_streams);
         ELSIF current_generation = 1 THEN
-            INSERT INTO outbox.journal_1 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+            INSERT INTO outbox.journal_1 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs,
+                                                 published_streams);
         ELSE
-            INSERT INTO outbox.journal_2 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+            INSERT INTO outbox.journal_2 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs,
+                                                 published_streams);
         END IF;
     END IF;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) IS
+COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[], text[]) IS
     'Relay internal: finishes a batch: moves the cursors (or window positions) of the shards this relay still holds and the counters of its aggregates, and journals what it published';
 
-REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[], text[]) FROM PUBLIC;
 
 -- src/sql/relay/housekeeping.sql
 CREATE OR REPLACE FUNCTION outbox._reap_shards(lease_ms integer)
@@ -1471,6 +1478,7 @@ AS $fn$
 DECLARE
     kept_since timestamptz;
     journaled_since timestamptz;
+    unfinished_pattern text;
     first_round bigint;
     last_round bigint;
     journaled bigint;
@@ -1486,6 +1494,13 @@ BEGIN
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass partial => true to replay what is left of a range retention removed in part, or false (the default).';
     END IF;
+    -- 'infinity' parses as a time, and would select nothing while the replay reports done.
+    IF since = 'infinity' OR published_since = 'infinity' THEN
+        RAISE EXCEPTION 'outbox.replay: % is infinity: no event is enqueued or published after it',
+                        CASE WHEN since = 'infinity' THEN 'since' ELSE 'published_since' END
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Pass a finite time, e.g. now() - interval ''1 hour'', or -infinity for everything retained.';
+    END IF;
     IF until IS NOT NULL AND until <= since THEN
         RAISE EXCEPTION 'outbox.replay: the range [%, %) is empty', since, until
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass an until later than since, or none.';
@@ -1497,20 +1512,30 @@ BEGIN
     IF to_stream IS NOT NULL THEN
         PERFORM outbox._check_allowed_stream(to_stream);
     END IF;
-    IF streams IS NOT NULL AND (cardinality(streams) = 0
-                                OR EXISTS (SELECT 1 FROM unnest(streams) s
-                                            WHERE s IS NULL OR (s = '' AND NOT exact_streams))) THEN
+    -- An empty list would select nothing: NULL is "every".
+    IF cardinality(streams) = 0 OR cardinality(aggregate_types) = 0 OR cardinality(event_ids) = 0 THEN
+        RAISE EXCEPTION 'outbox.replay: % is an empty list, which selects no event',
+                        CASE WHEN cardinality(streams) = 0 THEN 'streams'
+                             WHEN cardinality(aggregate_types) = 0 THEN 'aggregate_types' ELSE 'event_ids' END
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every one, or list at least one.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(streams) s WHERE s IS NULL OR (s = '' AND NOT exact_streams)) THEN
         RAISE EXCEPTION 'outbox.replay: streams must list keys or patterns, none of them empty or NULL (got %)', streams
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every stream.';
     END IF;
-    IF aggregate_types IS NOT NULL AND (cardinality(aggregate_types) = 0
-                                        OR EXISTS (SELECT 1 FROM unnest(aggregate_types) a WHERE a IS NULL OR a = '')) THEN
+    -- A pattern's backslash escapes the next character; one that ends the pattern escapes nothing.
+    SELECT s INTO unfinished_pattern FROM unnest(streams) s WHERE NOT exact_streams AND s ~ '(^|[^\\])(\\\\)*\\$' LIMIT 1;
+    IF unfinished_pattern IS NOT NULL THEN
+        RAISE EXCEPTION 'outbox.replay: the stream pattern % ends in a backslash that escapes nothing', unfinished_pattern
+            USING ERRCODE = 'invalid_parameter_value',
+                  HINT = 'Write \\ for a backslash in the key; \* and \? match a literal * and ?.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM unnest(aggregate_types) a WHERE a IS NULL OR a = '') THEN
         RAISE EXCEPTION 'outbox.replay: aggregate_types must list aggregate types, none of them empty or NULL (got %)',
                         aggregate_types
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every aggregate type.';
     END IF;
-    IF event_ids IS NOT NULL AND (cardinality(event_ids) = 0
-                                  OR EXISTS (SELECT 1 FROM unnest(event_ids) e WHERE e IS NULL)) THEN
+    IF EXISTS (SELECT 1 FROM unnest(event_ids) e WHERE e IS NULL) THEN
         RAISE EXCEPTION 'outbox.replay: event_ids must list event ids, none of them NULL (got %)', event_ids
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every event.';
     END IF;
@@ -1616,24 +1641,33 @@ COMMENT ON FUNCTION outbox._claim_replay(integer, integer) IS
     'outbox_pg: claims (or renews) a running replay for a relay, with a lease; relays only';
 
 CREATE OR REPLACE FUNCTION outbox._replay_walk(first_round bigint, first_index integer, last_round bigint, max_rounds integer,
-                                    max_entries integer)
-RETURNS TABLE (round bigint, skip integer, event_ids uuid[], seqs bigint[], events integer)
+                                    max_entries integer, only_streams text[] DEFAULT NULL)
+RETURNS TABLE (round bigint, skip integer, event_ids uuid[], seqs bigint[], events integer, passed_over boolean)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
 AS $fn$
-    SELECT r.round, r.skip, r.event_ids[r.skip + 1 : r.skip + max_entries], r.seqs[r.skip + 1 : r.skip + max_entries],
-           r.events
-      FROM (SELECT j.round, CASE WHEN j.round = first_round THEN greatest(first_index, 0) ELSE 0 END AS skip,
-                   j.event_ids, j.seqs, j.events
-              FROM outbox.journal j
-             WHERE j.round BETWEEN first_round AND last_round
-             ORDER BY j.round
-             LIMIT max_rounds) r
-     ORDER BY r.round;
+    SELECT w.round, w.skip,
+           CASE WHEN w.wanted THEN w.event_ids[w.skip + 1 : w.skip + max_entries] ELSE '{}' END,
+           CASE WHEN w.wanted THEN w.seqs[w.skip + 1 : w.skip + max_entries] ELSE '{}' END,
+           w.events, NOT w.wanted
+      FROM (SELECT r.*,
+                   -- The rounds with entries before this one: those past max_rounds are left out.
+                   coalesce(count(*) FILTER (WHERE r.wanted)
+                                     OVER (ORDER BY r.round ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+                       AS wanted_before
+              FROM (SELECT j.round, CASE WHEN j.round = first_round THEN greatest(first_index, 0) ELSE 0 END AS skip,
+                           j.event_ids, j.seqs, j.events,
+                           only_streams IS NULL OR j.streams IS NULL OR j.streams && only_streams AS wanted
+                      FROM outbox.journal j
+                     WHERE j.round BETWEEN first_round AND last_round
+                     ORDER BY j.round
+                     LIMIT CASE WHEN only_streams IS NULL THEN max_rounds ELSE max_rounds * 128 END) r) w
+     WHERE w.wanted_before < max_rounds
+     ORDER BY w.round;
 $fn$;
 
-COMMENT ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) IS
+COMMENT ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) IS
     'outbox_pg: a stretch of the journal, in the order its rounds were finished; relays only';
 
 CREATE OR REPLACE FUNCTION outbox._raw_size(jsonb)
@@ -1853,7 +1887,7 @@ REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
 

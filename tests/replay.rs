@@ -408,6 +408,40 @@ fn repairing_a_loss_replays_exactly_its_stream() {
     assert_eq!(lost, 0);
 }
 
+/// A repair walks only the journal's rounds that wrote to the stream it repairs: one event lost
+/// among thousands published to another stream is replayed without examining the others (before,
+/// every entry of the retained journal was looked up: 13.6 s for 1,050,000, with live events held).
+#[test]
+fn a_repair_examines_only_the_rounds_that_wrote_to_the_lost_stream() {
+    let env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    let enqueue_busy = |client: &mut postgres::Client| {
+        client
+            .batch_execute("SELECT outbox_enqueue('busy', (n % 50)::text, 'e', '{}') FROM generate_series(1, 3000) n")
+            .unwrap();
+    };
+    enqueue_busy(&mut client);
+    env.redis.wait_for_entries("outbox:busy", 3000);
+    common::enqueue_to(&mut client, "thing", "1", Some("tiny:x"));
+    env.redis.wait_for_entries("tiny:x", 1);
+    enqueue_busy(&mut client);
+    env.redis.wait_for_entries("outbox:busy", 6000);
+    client
+        .execute(
+            "INSERT INTO outbox.redis_losses (stream, expected_id, expected_at) VALUES ('tiny:x', '9999999999999-0', now())",
+            &[],
+        )
+        .unwrap();
+    let replay: i64 = client.query_one("SELECT replay FROM outbox.repair_losses()", &[]).unwrap().get(0);
+    let (replayed, filtered, missing, errors) = wait_replay_done(&mut client, replay);
+    assert_eq!((replayed, filtered, missing, errors), (1, 0, 0, 0), "only tiny:x's round examined");
+    let remaining: i64 =
+        client.query_one("SELECT remaining FROM outbox.replays WHERE id = $1", &[&replay]).unwrap().get(0);
+    assert_eq!(remaining, 0, "the rest walked past");
+    assert_eq!(env.redis.entries("tiny:x").iter().filter(|e| e.contains_key("replay")).count(), 1);
+    assert!(env.redis.entries("outbox:busy").iter().all(|e| !e.contains_key("replay")));
+}
+
 /// A loss of a stream written under an earlier outbox.stream template: no retained event maps to
 /// it now, so its repair replays nothing. That is said (a WARNING naming the stream and what to do)
 /// and the loss stays counted; the replay the WARNING proposes repairs it.

@@ -95,7 +95,7 @@ impl Tally {
                 (Source::Held, EntryOutcome::Published(_)) => {
                     self.published += 1;
                     settlement.held_published.push(event.id);
-                    settlement.journal.push((event.event_id.clone(), event.aggregate_seq));
+                    settlement.journal(event, &settings.entries.stream_template);
                 }
                 (Source::Held, EntryOutcome::Rejected(error)) => {
                     self.rejected += 1;
@@ -107,7 +107,7 @@ impl Tally {
                     if !(settings.in_order && !self.broken.is_empty() && self.broken.contains(&aggregate())) =>
                 {
                     self.published += 1;
-                    settlement.journal.push((event.event_id.clone(), event.aggregate_seq));
+                    settlement.journal(event, &settings.entries.stream_template);
                 }
                 (Source::Log, EntryOutcome::Rejected(error)) => {
                     self.rejected += 1;

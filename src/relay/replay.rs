@@ -59,7 +59,8 @@ const MIN_EXAMINED: usize = 256;
 const CLAIM: &str = "SELECT id, since::text, next_round, next_index, last_round, until::text, streams, \
                      aggregate_types, event_ids IS NOT NULL, to_stream, max_rate, exact_streams \
                      FROM outbox._claim_replay($1, $2)";
-const WALK: &str = "SELECT round, skip, event_ids::text[], seqs, events FROM outbox._replay_walk($1, $2, $3, $4, $5)";
+const WALK: &str =
+    "SELECT round, skip, event_ids::text[], seqs, events, passed_over FROM outbox._replay_walk($1, $2, $3, $4, $5, $6)";
 const SELECT: &str = "SELECT event_id::text, aggregate_type, event_type, stream, size, matches \
                       FROM outbox._replay_select($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5)";
 const EVENTS: &str = "SELECT event_id::text, id, aggregate_type, aggregate_id, event_type, payload, headers, stream, \
@@ -312,7 +313,9 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
             let mut cut: Option<(i64, i32)> = None;
             'walk: while chosen.len() < limits.events && examined < ROUND_WALK {
                 let want = (limits.events - chosen.len()).max(MIN_EXAMINED).min(ROUND_WALK - examined);
-                while queue.len() < want && !journal_end {
+                // A repair's rounds that wrote none of its streams are passed over, each counted
+                // examined once: a round passes over at most ROUND_WALK of them.
+                while queue.len() < want && !journal_end && examined < ROUND_WALK {
                     let max_entries = (want - queue.len()) as i32;
                     let rounds = client.select(
                         WALK,
@@ -323,6 +326,7 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                             replay.last_round.into(),
                             ROUNDS_AT_ONCE.into(),
                             max_entries.into(),
+                            replay.streams.clone().filter(|_| replay.exact_streams).into(),
                         ],
                     )?;
                     if rounds.is_empty() {
@@ -336,6 +340,17 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                         let event_ids = journal.get::<Vec<String>>(3)?.unwrap_or_default();
                         let seqs = journal.get::<Vec<i64>>(4)?.unwrap_or_default();
                         let events = journal.get::<i32>(5)?.unwrap_or_default();
+                        if journal.get::<bool>(6)?.unwrap_or(false) {
+                            let passed = i64::from((events - skip).max(0));
+                            // Walked, not examined: `filtered` counts what was looked at.
+                            (walked, examined) = (walked + passed, examined + 1);
+                            (read_round, read_index) = (round + 1, 0);
+                            if round >= replay.last_round {
+                                journal_end = true;
+                                break;
+                            }
+                            continue;
+                        }
                         let read = event_ids.len() as i32;
                         for (offset, (event_id, seq)) in event_ids.into_iter().zip(seqs).enumerate() {
                             queue.push_back(Entry { round, index: skip + offset as i32, event_id, seq });

@@ -4,6 +4,7 @@
 //! refused something, the failure path; and only if the log still belongs to the installation the
 //! round was read from.
 
+use std::collections::BTreeSet;
 use std::panic::AssertUnwindSafe;
 
 use pgrx::prelude::*;
@@ -15,14 +16,15 @@ use crate::relay::readiness::installation;
 use crate::relay::state::{RoundState, Statement, Statements};
 use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
+use crate::sink::entry::OutboxEvent;
 use crate::sink::marks::Mark;
 
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
-const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
 /// The argument types of ADVANCE.
-const ADVANCE_TYPES: [PgOid; 12] = [
+const ADVANCE_TYPES: [PgOid; 13] = [
     PgOid::BuiltIn(PgBuiltInOids::INT4OID),
     PgOid::BuiltIn(PgBuiltInOids::INT2ARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
@@ -35,6 +37,7 @@ const ADVANCE_TYPES: [PgOid; 12] = [
     PgOid::BuiltIn(PgBuiltInOids::BOOLARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID),
     PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
+    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
 ];
 
 /// How a round is finished.
@@ -50,11 +53,24 @@ pub struct Settlement {
     /// What the round published, in the order Redis received it: (event_id, aggregate_seq), for
     /// the journal replays walk (src/sql/replay.sql).
     pub journal: Vec<(String, i64)>,
+    /// The stream keys of `journal`'s events, each once: journaled with them, so that a repair
+    /// walks only the rounds that wrote to the stream it repairs.
+    pub journal_streams: BTreeSet<String>,
     /// The marks that moved since they were last stored (src/sink/marks.rs), of the Redis
     /// `marks_target` names: those of this round's entries among them. Stored in the finish, so
     /// that what marks the events published also records what Redis acknowledged of them.
     pub marks: Vec<(String, Mark)>,
     pub marks_target: String,
+}
+
+impl Settlement {
+    /// Journals an event Redis received, sent to its stream under `template`.
+    pub fn journal(&mut self, event: &OutboxEvent, template: &str) {
+        self.journal.push((event.event_id.clone(), event.aggregate_seq));
+        if !event.stream.as_ref().is_some_and(|stream| self.journal_streams.contains(stream)) {
+            self.journal_streams.insert(event.stream_key(template));
+        }
+    }
 }
 
 /// What a finish wrote.
@@ -66,7 +82,7 @@ pub struct Finished {
 /// Writes the round's outcome in one transaction, if the log still belongs to the installation
 /// the batch was read from.
 pub fn finish(
-    settlement: Settlement,
+    mut settlement: Settlement,
     batch: &Batch,
     settings: &TickSettings,
     state: &mut RoundState,
@@ -92,6 +108,7 @@ pub fn finish(
         .collect::<Result<_, _>>()
         .map_err(|error| format!("an event id of the round is not a uuid: {error}"))?;
     let journal_seqs: Vec<i64> = settlement.journal.iter().map(|(_, seq)| *seq).collect();
+    let journal_streams: Vec<String> = std::mem::take(&mut settlement.journal_streams).into_iter().collect();
     let read_from = batch.installation;
     let holds = !settlement.hold.is_empty() || !settlement.held_rejected.is_empty();
     let statements = AssertUnwindSafe(&mut state.statements);
@@ -146,6 +163,7 @@ pub fn finish(
                         counted.into(),
                         journal_ids.into(),
                         journal_seqs.into(),
+                        journal_streams.into(),
                     ],
                 )?;
                 Ok::<_, pgrx::spi::Error>(())

@@ -24,7 +24,10 @@ BEGIN
                 events      integer     NOT NULL,
                 -- In the order Redis received them, and the aggregate_seq each was sent with.
                 event_ids   uuid[]      NOT NULL,
-                seqs        bigint[]    NOT NULL
+                seqs        bigint[]    NOT NULL,
+                -- The stream keys they went to, so that a repair walks only the rounds that wrote
+                -- to the stream Redis lost (NULL: not recorded, walked whatever the stream).
+                streams     text[]
             ) WITH (autovacuum_vacuum_insert_threshold = -1)$ddl$, generation);
         -- Stored out of line as they are: a round's ids (16 bytes of randomness each) do not
         -- compress, and trying (pglz) took 13% of the relay's CPU in a drain.

@@ -375,33 +375,46 @@ COMMENT ON FUNCTION outbox._claim_replay(integer, integer) IS
     'outbox_pg: claims (or renews) a running replay for a relay, with a lease; relays only';
 
 -- -------------------------------------------------------------------------------------------------
--- outbox._replay_walk(first_round, first_index, last_round, max_rounds, max_entries)
+-- outbox._replay_walk(first_round, first_index, last_round, max_rounds, max_entries, only_streams)
 --
 --     The journal's rounds from first_round (from its entry first_index) up to last_round, in
 --     order, at most max_rounds, each cut to at most max_entries entries: a replay round reads
---     about what it examines, not whole rounds of up to 10,000 entries.
--- Returns: per round, the index of its first entry returned, those entries, and how many it holds
+--     about what it examines, not whole rounds of up to 10,000 entries. With only_streams (a
+--     repair's exact keys), a round whose recorded streams are none of them comes back passed
+--     over, without its entries (nor a read of them): a repair costs about what the lost stream
+--     had, not the whole journal. Up to 128 rounds are passed over per round returned.
+-- Returns: per round, the index of its first entry returned, those entries (none when passed
+--          over), how many it holds, and whether it was passed over
 -- Reads:   outbox.journal_0..2 (primary keys)
 -- Called by: a relay's replay round
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._replay_walk(first_round bigint, first_index integer, last_round bigint, max_rounds integer,
-                                    max_entries integer)
-RETURNS TABLE (round bigint, skip integer, event_ids uuid[], seqs bigint[], events integer)
+                                    max_entries integer, only_streams text[] DEFAULT NULL)
+RETURNS TABLE (round bigint, skip integer, event_ids uuid[], seqs bigint[], events integer, passed_over boolean)
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 SET enable_seqscan = off
 AS $fn$
-    SELECT r.round, r.skip, r.event_ids[r.skip + 1 : r.skip + max_entries], r.seqs[r.skip + 1 : r.skip + max_entries],
-           r.events
-      FROM (SELECT j.round, CASE WHEN j.round = first_round THEN greatest(first_index, 0) ELSE 0 END AS skip,
-                   j.event_ids, j.seqs, j.events
-              FROM outbox.journal j
-             WHERE j.round BETWEEN first_round AND last_round
-             ORDER BY j.round
-             LIMIT max_rounds) r
-     ORDER BY r.round;
+    SELECT w.round, w.skip,
+           CASE WHEN w.wanted THEN w.event_ids[w.skip + 1 : w.skip + max_entries] ELSE '{}' END,
+           CASE WHEN w.wanted THEN w.seqs[w.skip + 1 : w.skip + max_entries] ELSE '{}' END,
+           w.events, NOT w.wanted
+      FROM (SELECT r.*,
+                   -- The rounds with entries before this one: those past max_rounds are left out.
+                   coalesce(count(*) FILTER (WHERE r.wanted)
+                                     OVER (ORDER BY r.round ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+                       AS wanted_before
+              FROM (SELECT j.round, CASE WHEN j.round = first_round THEN greatest(first_index, 0) ELSE 0 END AS skip,
+                           j.event_ids, j.seqs, j.events,
+                           only_streams IS NULL OR j.streams IS NULL OR j.streams && only_streams AS wanted
+                      FROM outbox.journal j
+                     WHERE j.round BETWEEN first_round AND last_round
+                     ORDER BY j.round
+                     LIMIT CASE WHEN only_streams IS NULL THEN max_rounds ELSE max_rounds * 128 END) r) w
+     WHERE w.wanted_before < max_rounds
+     ORDER BY w.round;
 $fn$;
-COMMENT ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) IS
+COMMENT ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) IS
     'outbox_pg: a stretch of the journal, in the order its rounds were finished; relays only';
 
 -- -------------------------------------------------------------------------------------------------
@@ -687,7 +700,7 @@ REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], u
 REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;

@@ -5,7 +5,8 @@
 
 -- -------------------------------------------------------------------------------------------------
 -- outbox._advance(relay_pid, shards, cursors, window_uptos, window_max_ids, window_last_ids,
---                 aggregate_types, aggregate_ids, last_seqs, counted, published, published_seqs)
+--                 aggregate_types, aggregate_ids, last_seqs, counted, published, published_seqs,
+--                 published_streams)
 --
 --     Finishes a batch: moves each shard's cursor, or its position in the window it is publishing
 --     in parts, for shards this relay still holds, and the counters of the aggregates it consumed.
@@ -35,6 +36,8 @@
 --     published, published_seqs  what Redis received, in order, with the aggregate_seq each was
 --                      sent with: journaled for replays (replay.sql), in the journal table of the
 --                      log's current generation
+--     published_streams  the stream keys those went to, each once (NULL: not known; a repair
+--                      then walks the round whatever stream it lost)
 -- Returns:
 --     nothing; raises lock_not_available when a shard is no longer this relay's
 -- Reads:   outbox.ticks (the shards' latest)
@@ -45,7 +48,8 @@
 CREATE FUNCTION outbox._advance(relay_pid integer, shards smallint[], cursors text[],
                                 window_uptos text[], window_max_ids bigint[], window_last_ids bigint[],
                                 aggregate_types text[], aggregate_ids text[], last_seqs bigint[],
-                                counted boolean[], published uuid[], published_seqs bigint[])
+                                counted boolean[], published uuid[], published_seqs bigint[],
+                                published_streams text[] DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -101,17 +105,20 @@ BEGIN
         SELECT g.generation INTO current_generation FROM outbox.generations g WHERE g.state = 'current';
         round := nextval('outbox.journal_round_seq');
         IF current_generation = 0 THEN
-            INSERT INTO outbox.journal_0 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+            INSERT INTO outbox.journal_0 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs,
+                                                 published_streams);
         ELSIF current_generation = 1 THEN
-            INSERT INTO outbox.journal_1 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+            INSERT INTO outbox.journal_1 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs,
+                                                 published_streams);
         ELSE
-            INSERT INTO outbox.journal_2 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs);
+            INSERT INTO outbox.journal_2 VALUES (round, clock_timestamp(), cardinality(published), published, published_seqs,
+                                                 published_streams);
         END IF;
     END IF;
 END
 $fn$;
 
-COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) IS
+COMMENT ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[], text[]) IS
     'Relay internal: finishes a batch: moves the cursors (or window positions) of the shards this relay still holds and the counters of its aggregates, and journals what it published';
 
-REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._advance(integer, smallint[], text[], text[], bigint[], bigint[], text[], text[], bigint[], boolean[], uuid[], bigint[], text[]) FROM PUBLIC;
