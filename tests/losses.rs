@@ -446,6 +446,34 @@ fn a_loss_when_both_servers_crash_around_a_finish_is_noticed() {
 
 /// Where the relay's Redis user may not run `EVAL` (README's least privileges: `+xinfo|stream`),
 /// the check asks `XINFO STREAM` itself, one stream per exchange, and still finds a loss.
+/// An idle relay notices a Redis restart without waiting for a write: once per poll interval it
+/// makes sure its connection is alive, and the new connection's check finds what Redis lost.
+/// Meanwhile outbox.stats.redis_connected says Redis is gone (it stayed true before, and the loss
+/// waited for the next event).
+#[test]
+fn an_idle_relay_notices_a_redis_restart_and_its_loss_without_a_write() {
+    let mut env = Env::start(&["outbox.poll_interval = '100ms'"]);
+    let mut client = env.pg.connect();
+    let connected = |client: &mut postgres::Client| -> bool {
+        client.query_one("SELECT redis_connected FROM outbox.stats", &[]).unwrap().get(0)
+    };
+    enqueue_to(&mut client, "idle", "1", None);
+    env.redis.wait_for_entries("outbox:idle", 1);
+    wait_for(DEADLINE, "redis_connected", || connected(&mut client).then_some(()));
+    env.redis.kill();
+    wait_for(DEADLINE, "redis_connected to turn false while nothing is published", || {
+        (!connected(&mut client)).then_some(())
+    });
+    // Back empty (no persistence): the entry the relay wrote is gone.
+    env.redis.restart();
+    wait_for(DEADLINE, "the loss of outbox:idle to be recorded without a write", || {
+        (losses(&mut client, "outbox:idle") == 1).then_some(())
+    });
+    wait_for(DEADLINE, "redis_connected again", || connected(&mut client).then_some(()));
+    let log = env.pg.log();
+    assert!(log.contains("cannot publish to Redis"), "the outage is reported: {log}");
+}
+
 #[test]
 fn without_eval_the_check_asks_xinfo_stream_and_still_finds_a_loss() {
     let redis = Redis::start();

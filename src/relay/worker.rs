@@ -106,6 +106,8 @@ struct Relay {
     /// When `outbox.stream_marks` was last pruned, and the streams forgotten when last logged.
     marks_pruned_at: Instant,
     marks_forgotten_logged: u64,
+    /// When an idle relay last made sure its Redis connection is alive (once per poll interval).
+    kept_alive_at: Instant,
     /// When the last replay round ended, and how long it took: with live traffic going on, the
     /// next one runs once live rounds have had as long (and at least `REPLAY_EVERY` after it).
     replayed_at: Instant,
@@ -181,6 +183,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         marks_loaded: None,
         marks_stored_at: Instant::now(),
         marks_pruned_at: Instant::now(),
+        kept_alive_at: Instant::now(),
         marks_forgotten_logged: 0,
         replayed_at: Instant::now(),
         replay_took: Duration::ZERO,
@@ -364,7 +367,14 @@ impl Relay {
             }
         }
         let mut timings = RoundTimings::default();
-        let outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
+        let mut outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
+        if matches!(outcome, TickOutcome::Idle) && self.kept_alive_at.elapsed() >= poll {
+            // Nothing to publish: is Redis still there, and still the one the marks concern?
+            self.kept_alive_at = Instant::now();
+            if let Err(error) = self.sink.keep_alive() {
+                outcome = TickOutcome::BrokerDown { error, published: 0 };
+            }
+        }
         // A loss check's pass goes on a chunk at a time while there is nothing to publish
         // (src/sink/marks.rs); while streams are left, the relay comes back at once.
         let checking = matches!(outcome, TickOutcome::Idle) && self.sink.check_between_rounds();

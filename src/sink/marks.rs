@@ -150,6 +150,11 @@ pub struct Marks {
 }
 
 impl Marks {
+    /// Whether no stream is marked (nothing written, nothing adopted).
+    pub fn is_empty(&self) -> bool {
+        self.marks.is_empty()
+    }
+
     /// Records that Redis returned `id` for an entry of `stream`.
     pub fn wrote(&mut self, stream: &str, id: StreamId) {
         match self.marks.get_mut(stream) {

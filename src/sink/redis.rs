@@ -798,6 +798,37 @@ impl RedisSink {
         self.slots = None;
     }
 
+    /// For a relay with nothing to publish, now and then: the connection its streams' marks
+    /// concern is alive, or made anew. A Redis restarted while nothing is published is noticed
+    /// here rather than at the next write: the new connection's loss check then runs between
+    /// rounds (`check_between_rounds`), and `outbox.stats.redis_connected` says what is so. A
+    /// relay that has written nothing yet has nothing to check and connects at its first write.
+    /// `Err` (the connection dropped) when Redis does not answer.
+    pub fn keep_alive(&mut self) -> Result<(), BrokerError> {
+        if self.marks.is_empty() && !self.is_connected() {
+            return Ok(());
+        }
+        self.connect_any()?;
+        let ping = |connection: &mut redis::Connection| {
+            redis::cmd("PING").query::<redis::Value>(connection).map_err(|e| BrokerError(node::describe_error(&e)))
+        };
+        if let Some(connection) = self.single.as_mut() {
+            if let Err(error) = ping(connection) {
+                self.single = None;
+                return Err(error);
+            }
+        }
+        let nodes: Vec<NodeAddr> = self.nodes.keys().cloned().collect();
+        for addr in nodes {
+            let Some(connection) = self.nodes.get_mut(&addr) else { continue };
+            if let Err(error) = ping(connection) {
+                self.lost_node(&addr);
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+
     /// Whether Redis answers a PING on a fresh connection.
     fn answers_ping(&mut self) -> bool {
         self.disconnect();
