@@ -2,7 +2,9 @@
 // file has the whole story):
 // - dedup by event_id in PostgreSQL: outbox_mark_processed() in the same transaction as the
 //   effect, so the mark and the effect commit together or not at all;
-// - XACK only after that transaction committed (or found the event done already);
+// - XACK only after that transaction committed (or found the event done already); with
+//   deleteAcked, XACKDEL ... ACKED where Redis has it (8.2 or later), which also deletes an entry
+//   every group has acknowledged;
 // - on start, this consumer name's own unacknowledged entries first, then XAUTOCLAIM of entries
 //   idle for claimIdleMs (crashed consumers', and our own failures), then new entries;
 // - after maxDeliveries deliveries (XPENDING's count) an entry goes to the dead-letter stream;
@@ -31,6 +33,11 @@ export interface ConsumerConfig {
   claimIdleMs: number;
   claimIntervalMs: number;
   maxDeliveries: number;
+  /** Acknowledge with `XACKDEL ... ACKED` instead of XACK, so that an entry every consumer group
+   *  has acknowledged is deleted at once: for streams the relay trims by acknowledgement
+   *  (`outbox.stream_trim = 'acked'`), where it would otherwise stay until the next XADD trims it.
+   *  Used only when the server has XACKDEL (Redis 8.2 or later, asked in setUp); else XACK. */
+  deleteAcked: boolean;
 }
 
 /** The effect. It runs inside the transaction that marks the event processed; throw to refuse. */
@@ -66,6 +73,8 @@ export class Consumer {
   };
   private claimCursor = "0-0";
   private nextClaimAt = 0;
+  /** config.deleteAcked and the server has XACKDEL. */
+  private ackDeletes = false;
 
   constructor(
     private readonly redis: Redis,
@@ -76,8 +85,10 @@ export class Consumer {
     private readonly tracer: Tracer,
   ) {}
 
-  /** Creates the group (from the stream's start) and the order-check table if missing. */
+  /** Creates the group (from the stream's start) and the order-check table if missing; with
+   *  deleteAcked, asks the server whether it has XACKDEL. */
   async setUp(): Promise<void> {
+    this.ackDeletes = this.config.deleteAcked && (await this.serverHas("XACKDEL"));
     try {
       await this.redis.xgroup("CREATE", this.config.stream, this.config.group, "0", "MKSTREAM");
     } catch (error) {
@@ -86,6 +97,19 @@ export class Consumer {
     await this.db.query(`CREATE TABLE IF NOT EXISTS aggregate_positions (
       consumer_group text NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
       last_seq bigint NOT NULL, PRIMARY KEY (consumer_group, aggregate_type, aggregate_id))`);
+  }
+
+  /** The command this consumer acknowledges with: XACKDEL (with ACKED) when deleteAcked is set and
+   *  the server has it, else XACK. Known once setUp() has run. */
+  get acknowledgesWith(): "XACKDEL" | "XACK" {
+    return this.ackDeletes ? "XACKDEL" : "XACK";
+  }
+
+  /** Whether the server knows `command` (COMMAND INFO answers nil for an unknown one): what it
+   *  offers, asked rather than guessed from its version. */
+  private async serverHas(command: string): Promise<boolean> {
+    const info = (await this.redis.call("COMMAND", "INFO", command)) as unknown[] | null;
+    return Array.isArray(info) && info[0] !== null && info[0] !== undefined;
   }
 
   /** Consumes until `stopping()` says so; the entry in hand is finished first. */
@@ -299,12 +323,19 @@ export class Consumer {
     return `${describe(event)}: reordered: aggregate_seq ${seq} after ${last}`;
   }
 
+  /** XACK, or XACKDEL ... ACKED (deleteAcked, where the server has it): the entry is also deleted
+   *  if every other group has acknowledged it already, else it stays for them. */
   private async ack(id: string): Promise<void> {
-    await this.redis.xack(this.config.stream, this.config.group, id);
+    const { stream, group } = this.config;
+    if (this.ackDeletes) {
+      await this.redis.call("XACKDEL", stream, group, "ACKED", "IDS", 1, id);
+      return;
+    }
+    await this.redis.xack(stream, group, id);
   }
 
-  /** XADD a copy (fields plus why) to the dead-letter stream, then XACK. Not one transaction on
-   *  purpose: a crash in between leaves the dead letter twice, never zero times. */
+  /** XADD a copy (fields plus why) to the dead-letter stream, then acknowledge it. Not one
+   *  transaction on purpose: a crash in between leaves the dead letter twice, never zero times. */
   private async deadLetter(id: string, fields: string[], error: string, deliveries: number): Promise<void> {
     const { deadLetterStream, stream } = this.config;
     const why = ["error", error, "deliveries", deliveries, "original_id", id, "original_stream", stream];

@@ -21,6 +21,9 @@ const USAGE = `usage: node dist/main.js [--flag value ...]   (flag, environment 
   --claim-interval-ms  OUTBOX_CLAIM_INTERVAL_MS  5000
   --batch              OUTBOX_BATCH              100
   --block-ms           OUTBOX_BLOCK_MS           1000
+  --delete-acked       OUTBOX_DELETE_ACKED       off (true or 1: on); acknowledge with XACKDEL ...
+                       ACKED where Redis has it (8.2 or later), else XACK: an entry every group
+                       acknowledged is deleted at once (for outbox.stream_trim = 'acked')
 environment only:
   OTEL_EXPORT_FILE     write each finished span as a JSON line to this file (default: spans go to
                        the tracer provider the process registered, none: not recorded)`;
@@ -42,6 +45,7 @@ function settings(): { redis: string; database: string | undefined; consumer: Co
       "claim-interval-ms": string,
       batch: string,
       "block-ms": string,
+      "delete-acked": { type: "boolean" },
       help: { type: "boolean" },
     },
   });
@@ -67,6 +71,7 @@ function settings(): { redis: string; database: string | undefined; consumer: Co
       ),
       batchSize: positive("batch", flag.batch ?? env.OUTBOX_BATCH ?? "100"),
       blockMs: positive("block-ms", flag["block-ms"] ?? env.OUTBOX_BLOCK_MS ?? "1000"),
+      deleteAcked: flag["delete-acked"] ?? onOff("OUTBOX_DELETE_ACKED", env.OUTBOX_DELETE_ACKED ?? ""),
     },
   };
 }
@@ -91,6 +96,14 @@ function positive(flag: string, text: string): number {
     usageError(`--${flag} must be a positive integer, got ${JSON.stringify(text)}`);
   }
   return value;
+}
+
+/** An on/off environment variable: true or 1, false or 0 or empty (unset). */
+function onOff(variable: string, text: string): boolean {
+  const value = text.trim().toLowerCase();
+  if (value === "true" || value === "1") return true;
+  if (value === "false" || value === "0" || value === "") return false;
+  usageError(`${variable} must be true, 1, false or 0, got ${JSON.stringify(text)}`);
 }
 
 const ACTIVITY_TABLE = `CREATE TABLE IF NOT EXISTS activity (
@@ -155,7 +168,12 @@ async function main(): Promise<void> {
   const tracing = setUpTracing();
   const consumer = new Consumer(redis, db, config, recordActivity(config.consumer), log, tracing.tracer);
   await consumer.setUp();
-  log(`consuming ${config.stream} as ${config.consumer} in group ${config.group}`);
+  const fallback = config.deleteAcked && consumer.acknowledgesWith === "XACK";
+  const unavailable = fallback ? " (--delete-acked: this Redis has no XACKDEL, 8.2 or later needed)" : "";
+  log(
+    `consuming ${config.stream} as ${config.consumer} in group ${config.group}, ` +
+      `acknowledging with ${consumer.acknowledgesWith}${unavailable}`,
+  );
   await consumer.run(() => stopping);
 
   const t = consumer.stats;
