@@ -3,7 +3,9 @@ file has the whole story):
 
 - dedup by event_id in PostgreSQL: outbox_mark_processed() in the same transaction as the effect,
   so the mark and the effect commit together or not at all;
-- XACK only after that transaction committed (or found the event done already);
+- XACK only after that transaction committed (or found the event done already); with delete_acked,
+  XACKDEL ... ACKED where Redis has it (8.2 or later), which also deletes an entry every group has
+  acknowledged;
 - on start, this consumer name's own unacknowledged entries first, then XAUTOCLAIM of entries idle
   for claim_idle_ms (crashed consumers', and our own failures), then new entries;
 - after max_deliveries deliveries (XPENDING's count) an entry goes to the dead-letter stream; a
@@ -41,6 +43,11 @@ class ConsumerConfig:
     claim_idle_ms: int = 30000  # pending this long: taken over by XAUTOCLAIM; > the slowest handler
     claim_interval_ms: int = 5000
     max_deliveries: int = 5
+    # Acknowledge with XACKDEL ... ACKED instead of XACK, so that an entry every consumer group has
+    # acknowledged is deleted at once: for streams the relay trims by acknowledgement
+    # (outbox.stream_trim = 'acked'), where it would otherwise stay until the next XADD trims it.
+    # Used only when the server has XACKDEL (Redis 8.2 or later, asked in set_up); else XACK.
+    delete_acked: bool = False
 
 
 @dataclass
@@ -74,9 +81,18 @@ class Consumer:
     stats: Stats = field(default_factory=Stats)
     claim_cursor: str = "0-0"
     next_claim_at: float = 0.0
+    ack_deletes: bool = False  # config.delete_acked and the server has XACKDEL
+
+    @property
+    def acknowledges_with(self) -> str:
+        """The command this consumer acknowledges with: XACKDEL (with ACKED) when delete_acked is set
+        and the server has it, else XACK. Known once set_up() has run."""
+        return "XACKDEL" if self.ack_deletes else "XACK"
 
     def set_up(self) -> None:
-        """Creates the group (from the stream's start) and the order-check table if missing."""
+        """Creates the group (from the stream's start) and the order-check table if missing; with
+        delete_acked, asks the server whether it has XACKDEL."""
+        self.ack_deletes = self.config.delete_acked and self.server_has("XACKDEL")
         try:
             self.redis.xgroup_create(self.config.stream, self.config.group, id="0", mkstream=True)
         except redis.ResponseError as error:
@@ -87,6 +103,13 @@ class Consumer:
                  consumer_group text NOT NULL, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
                  last_seq bigint NOT NULL, PRIMARY KEY (consumer_group, aggregate_type, aggregate_id))"""
         )
+
+    def server_has(self, command: str) -> bool:
+        """Whether the server knows `command` (COMMAND INFO answers nil for an unknown one): what it
+        offers, asked rather than guessed from its version. (redis-py's command_info() refuses to
+        ask; a two-word command name is sent as two arguments.)"""
+        info: Any = self.redis.execute_command("COMMAND INFO", command)
+        return bool(info) and info[0] is not None
 
     def run(self, stopping: Callable[[], bool]) -> None:
         """Consumes until stopping() says so; the entry in hand is finished first."""
@@ -256,11 +279,16 @@ class Consumer:
         return f"{describe(event)}: reordered: aggregate_seq {seq} after {last}"
 
     def ack(self, entry_id: str) -> None:
-        self.redis.xack(self.config.stream, self.config.group, entry_id)
+        """XACK, or XACKDEL ... ACKED (delete_acked, where the server has it): the entry is also
+        deleted if every other group has acknowledged it already, else it stays for them."""
+        if self.ack_deletes:
+            self.redis.xackdel(self.config.stream, self.config.group, entry_id, ref_policy="ACKED")
+        else:
+            self.redis.xack(self.config.stream, self.config.group, entry_id)
 
     def dead_letter(self, entry_id: str, fields: dict[str, str], error: str, deliveries: int) -> None:
-        """XADD a copy (fields plus why) to the dead-letter stream, then XACK. Not one transaction
-        on purpose: a crash in between leaves the dead letter twice, never zero times."""
+        """XADD a copy (fields plus why) to the dead-letter stream, then acknowledge it. Not one
+        transaction on purpose: a crash in between leaves the dead letter twice, never zero times."""
         c = self.config
         why = {"error": error, "deliveries": deliveries, "original_id": entry_id, "original_stream": c.stream}
         letter: dict[Any, Any] = {**fields, **why}

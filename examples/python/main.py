@@ -33,6 +33,17 @@ def positive(text: str) -> int:
     return value
 
 
+def on_off(parser: argparse.ArgumentParser, variable: str) -> bool:
+    """An on/off environment variable: true or 1, false or 0 or empty (unset)."""
+    text = os.environ.get(variable, "")
+    value = text.strip().lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0", ""):
+        return False
+    parser.error(f"{variable} must be true, 1, false or 0, got {text!r}")  # exit code 2
+
+
 def settings() -> argparse.Namespace:
     """Each setting from its flag, else its environment variable, else the default."""
     parser = argparse.ArgumentParser(
@@ -57,6 +68,14 @@ def settings() -> argparse.Namespace:
     setting("--claim-interval-ms", "OUTBOX_CLAIM_INTERVAL_MS", "5000", type=positive)
     setting("--batch", "OUTBOX_BATCH", "100", type=positive)
     setting("--block-ms", "OUTBOX_BLOCK_MS", "1000", type=positive)
+    parser.add_argument(
+        "--delete-acked",
+        action="store_true",
+        default=on_off(parser, "OUTBOX_DELETE_ACKED"),
+        help="environment: OUTBOX_DELETE_ACKED (true or 1); acknowledge with XACKDEL ... ACKED where Redis "
+        "has it (8.2 or later), else XACK: an entry every group acknowledged is deleted at once "
+        "(for outbox.stream_trim = 'acked')",
+    )
     return parser.parse_args()  # bad values: a message and exit code 2
 
 
@@ -99,6 +118,7 @@ def main() -> None:
         claim_idle_ms=args.claim_idle_ms,
         claim_interval_ms=args.claim_interval_ms,
         max_deliveries=args.max_deliveries,
+        delete_acked=args.delete_acked,
     )
 
     def log(line: str) -> None:
@@ -122,7 +142,12 @@ def main() -> None:
         db.execute(ACTIVITY_TABLE)
         consumer = Consumer(r, db, config, record_activity(config.consumer), log, set_up_tracing())
         consumer.set_up()
-        log(f"consuming {config.stream} as {config.consumer} in group {config.group}")
+        fallback = config.delete_acked and consumer.acknowledges_with == "XACK"
+        unavailable = " (--delete-acked: this Redis has no XACKDEL, 8.2 or later needed)" if fallback else ""
+        log(
+            f"consuming {config.stream} as {config.consumer} in group {config.group}, "
+            f"acknowledging with {consumer.acknowledges_with}{unavailable}"
+        )
         consumer.run(lambda: stopping)
     t = consumer.stats
     log(
