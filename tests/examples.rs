@@ -19,6 +19,11 @@
 //! span; the others are roots. A second, smaller story runs each example against a cluster with
 //! `outbox.entry_format = cloudevents`: the same events as CloudEvents, applied once, in order, the
 //! trace continued.
+//!
+//! `--delete-acked` (issue 38): on Redis 8.2 or later, with the relay trimming by acknowledgement,
+//! each example acknowledges with `XACKDEL ... ACKED`, so an entry goes once every group has
+//! acknowledged it and stays while another group has not; on an older Redis the same consumer
+//! falls back to XACK, processes every event and deletes nothing. CI runs this file on both.
 
 mod common;
 
@@ -28,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 
-use common::{wait_for, Env, DEADLINE};
+use common::{wait_for, Cluster, Env, Redis, DEADLINE};
 
 const STREAM: &str = "outbox:order";
 const DEAD_LETTERS: &str = "outbox:order:dead";
@@ -126,6 +131,16 @@ fn python_consumer() {
 }
 
 #[test]
+fn typescript_consumer_deletes_what_every_group_acknowledged_where_redis_has_xackdel() {
+    delete_acked_scenario("typescript", typescript());
+}
+
+#[test]
+fn python_consumer_deletes_what_every_group_acknowledged_where_redis_has_xackdel() {
+    delete_acked_scenario("python", python());
+}
+
+#[test]
 fn typescript_consumer_of_cloudevents() {
     cloudevents_scenario("typescript", typescript());
 }
@@ -157,6 +172,18 @@ struct Consumer {
 impl Consumer {
     /// Starts consumer `name`; `run` names its files in `logs`: stdout, stderr and its spans.
     fn start(example: &Example, name: &'static str, env: &Env, logs: &Path, run: &str) -> Consumer {
+        Consumer::start_with(example, name, env, logs, run, &[])
+    }
+
+    /// Like `start`, with `extra` flags after the test's own.
+    fn start_with(
+        example: &Example,
+        name: &'static str,
+        env: &Env,
+        logs: &Path,
+        run: &str,
+        extra: &[&str],
+    ) -> Consumer {
         let stderr = logs.join(format!("{run}.err"));
         let database = format!("postgresql://postgres@127.0.0.1:{}/postgres", env.pg.port);
         let child = example
@@ -166,6 +193,7 @@ impl Consumer {
             .args(["--consumer", name, "--batch", &BATCH.to_string(), "--block-ms", "200"])
             .args(["--max-deliveries", &MAX_DELIVERIES.to_string(), "--claim-idle-ms", &CLAIM_IDLE_MS.to_string()])
             .args(["--claim-interval-ms", "200"])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(File::create(logs.join(format!("{run}.out"))).unwrap())
             .stderr(File::create(&stderr).unwrap())
@@ -496,6 +524,108 @@ fn cloudevents_scenario(example_name: &str, example: &Example) {
     assert_eq!(env.redis.entries(DEAD_LETTERS).len(), 0);
     assert_traces_continued(&logs, &seen, &traces);
     let _ = fs::remove_dir_all(&logs);
+}
+
+/// The `--delete-acked` story. Both groups exist before the events reach the stream: `audit` (the
+/// test's) reads all of them and acknowledges the first AUDITED only; then one consumer of the
+/// example, started with `--delete-acked`, processes every event. With XACKDEL (Redis 8.2 or later,
+/// told by the version as the tests know it, not by the examples' own check) the relay trims by
+/// acknowledgement (`outbox.stream_trim = 'acked'`, a bound above the events, so that it trims
+/// nothing itself) and what is left in the stream is exactly what `audit` has not acknowledged;
+/// without it (the relay would refuse `acked` there) the consumer says it acknowledges with XACK
+/// and every entry stays. Either way nothing is pending in the consumer's group, and every event
+/// was applied once, in order.
+fn delete_acked_scenario(example_name: &str, example: &Example) {
+    const COUNT: usize = 30;
+    const AUDITED: usize = 18;
+    const AUDIT: &str = "audit";
+    let redis_server = Redis::start();
+    let version = redis_server.info_field("server", "redis_version").expect("INFO server");
+    let mut parts = version.split('.').map(|part| part.parse::<u32>().unwrap_or(0));
+    let has_xackdel = (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (8, 2);
+    let settings: &[&str] =
+        if has_xackdel { &["outbox.stream_trim = 'acked'", "outbox.stream_maxlen = 1000"] } else { &[] };
+    let pg = Cluster::start(redis_server.port, settings);
+    pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap_or_else(|e| panic!("CREATE EXTENSION: {e}"));
+    let env = Env { redis: redis_server, pg };
+    let mut db = env.pg.connect();
+    let mut con = redis(&env);
+    let logs = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("examples-{example_name}-delete-acked-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&logs);
+    fs::create_dir_all(&logs).unwrap();
+
+    for group in [AUDIT, GROUP] {
+        let _: () =
+            redis::cmd("XGROUP").arg("CREATE").arg(STREAM).arg(group).arg("0").arg("MKSTREAM").query(&mut con).unwrap();
+    }
+    let no_headers: Option<&str> = None;
+    let mut expected: HashSet<String> = HashSet::new();
+    let mut tx = db.transaction().unwrap();
+    for n in 0..COUNT {
+        let payload = format!(r#"{{"n": {n}}}"#);
+        let id: String =
+            tx.query_one(ENQUEUE, &[&format!("d-{}", n % 3), &"order.updated", &payload, &no_headers]).unwrap().get(0);
+        expected.insert(id);
+    }
+    tx.commit().unwrap();
+    let entries = env.redis.wait_for_entries(STREAM, COUNT);
+    let seq_of: HashMap<&str, &str> =
+        entries.iter().map(|entry| (entry["event_id"].as_str(), entry["aggregate_seq"].as_str())).collect();
+    let ids = entry_ids(&mut con);
+    assert_eq!(ids.len(), COUNT);
+
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(AUDIT)
+        .arg("auditor")
+        .arg("COUNT")
+        .arg(COUNT)
+        .arg("STREAMS")
+        .arg(STREAM)
+        .arg(">")
+        .query(&mut con)
+        .unwrap();
+    let acked: usize = redis::cmd("XACK").arg(STREAM).arg(AUDIT).arg(&ids[..AUDITED]).query(&mut con).unwrap();
+    assert_eq!(acked, AUDITED);
+
+    let mut consumer = Consumer::start_with(example, "d", &env, &logs, "d", &["--delete-acked"]);
+    wait_for(DEADLINE, "every event applied and the group to settle", || {
+        consumer.assert_running();
+        (applied(&mut db) as usize >= COUNT && settled(&mut con)).then_some(())
+    });
+    let log = consumer.stop();
+
+    let (seen, _, _) = applied_once_in_order(&mut db, &seq_of);
+    assert_eq!(seen, expected, "the applied events are not those enqueued");
+    assert_eq!(summary_count(&log, "processed"), COUNT as u64, "{log}");
+    assert_eq!(pending_count(&mut con, GROUP), 0, "entries left pending in {GROUP}");
+    let left = entry_ids(&mut con);
+    if has_xackdel {
+        assert!(log.contains("acknowledging with XACKDEL"), "Redis {version}:\n{log}");
+        // What both groups acknowledged is gone; what audit has not stays for it.
+        assert_eq!(left, ids[AUDITED..], "Redis {version}: the entries left");
+        assert_eq!(env.redis.xlen(STREAM), COUNT - AUDITED);
+        assert_eq!(pending_count(&mut con, AUDIT), COUNT - AUDITED);
+    } else {
+        assert!(log.contains("acknowledging with XACK (--delete-acked: this Redis has no XACKDEL"), "{log}");
+        assert_eq!(left, ids, "Redis {version}: XACK deletes nothing");
+        assert_eq!(env.redis.xlen(STREAM), COUNT);
+    }
+    let _ = fs::remove_dir_all(&logs);
+}
+
+/// The IDs of the entries in the stream, in order.
+fn entry_ids(con: &mut redis::Connection) -> Vec<String> {
+    let rows: Vec<(String, Vec<String>)> = redis::cmd("XRANGE").arg(STREAM).arg("-").arg("+").query(con).unwrap();
+    rows.into_iter().map(|(id, _)| id).collect()
+}
+
+/// How many entries `group` has pending (XPENDING's summary).
+fn pending_count(con: &mut redis::Connection, group: &str) -> usize {
+    let summary: (usize, redis::Value, redis::Value, redis::Value) =
+        redis::cmd("XPENDING").arg(STREAM).arg(group).query(con).unwrap();
+    summary.0
 }
 
 const ENQUEUE: &str = "SELECT outbox_enqueue('order', $1::text, $2::text, $3::text::jsonb, $4::text::jsonb)::text";
