@@ -308,6 +308,8 @@ COMMENT ON TABLE outbox.redis_losses IS
     'outbox_pg: streams Redis lost entries of after acknowledging them, as the relays found, and the replay that repairs each';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
+GRANT SELECT ON outbox.redis_losses, outbox.stream_marks TO outbox_admin;
+GRANT SELECT ON outbox.redis_losses TO pg_monitor;
 
 -- -------------------------------------------------------------------------------------------------
 -- A COMMENT on every object (src/sql/, one file per concern; issue 25).
@@ -1790,6 +1792,30 @@ $fn$;
 COMMENT ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) IS
     'outbox_pg: records a replay round''s progress; relays only';
 
+REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) FROM PUBLIC;
+
+GRANT EXECUTE ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer),
+                          outbox.cancel_replay(bigint) TO outbox_admin;
+
+GRANT SELECT ON outbox.replays TO outbox_admin, pg_monitor;
+
+-- src/sql/losses.sql
 CREATE OR REPLACE FUNCTION outbox._store_marks(target text, streams text[], last_ms bigint[], last_seqs bigint[],
                                     written_at timestamptz[])
 RETURNS void
@@ -1879,36 +1905,63 @@ $fn$;
 COMMENT ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) IS
     'outbox_pg: records the losses a relay found, once; relays only';
 
-REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) FROM PUBLIC;
+CREATE OR REPLACE FUNCTION outbox._forget_marks(target text, streams text[], last_ms bigint[], last_seqs bigint[])
+RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    DELETE FROM outbox.stream_marks m
+     USING unnest(_forget_marks.streams, _forget_marks.last_ms, _forget_marks.last_seqs) AS l(stream, ms, seq)
+     WHERE m.target = _forget_marks.target AND m.stream = l.stream AND (m.last_ms, m.last_seq) <= (l.ms, l.seq);
+$fn$;
 
-REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
+COMMENT ON FUNCTION outbox._forget_marks(text, text[], bigint[], bigint[]) IS
+    'outbox_pg: deletes the stored marks of streams Redis lost, up to the loss; relays only';
+
+CREATE OR REPLACE FUNCTION outbox._prune_marks(target text, kept bigint, retention_s integer)
+RETURNS bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    WITH pruned AS (
+        DELETE FROM outbox.stream_marks m
+         WHERE (m.target = _prune_marks.target
+                AND m.written_at < (SELECT k.written_at FROM outbox.stream_marks k WHERE k.target = _prune_marks.target
+                                     ORDER BY k.written_at DESC OFFSET kept - 1 LIMIT 1))
+            OR m.written_at < now() - retention_s * interval '1 second'
+        RETURNING 1
+    )
+    SELECT count(*) FROM pruned;
+$fn$;
+
+COMMENT ON FUNCTION outbox._prune_marks(text, bigint, integer) IS
+    'outbox_pg: deletes the stream marks no relay checks any more; relays only';
+
+CREATE OR REPLACE FUNCTION outbox._repairs_running()
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT EXISTS (SELECT 1 FROM outbox.redis_losses l JOIN outbox.replay_requests r ON r.id = l.replay_id
+                    WHERE r.state = 'running');
+$fn$;
+
+COMMENT ON FUNCTION outbox._repairs_running() IS
+    'outbox_pg: whether a replay that repairs a Redis loss still runs; relays only';
 
 REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
 
-REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION outbox._replay_select(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION outbox._replay_events(uuid[], timestamptz, timestamptz, text[], bigint) FROM PUBLIC;
-
-REVOKE ALL ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) FROM PUBLIC;
-
 REVOKE ALL ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._forget_marks(text, text[], bigint[], bigint[]) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._prune_marks(text, bigint, integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._repairs_running() FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) FROM PUBLIC;
 
-GRANT EXECUTE ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer),
-                          outbox.cancel_replay(bigint), outbox.repair_losses(bigint[]) TO outbox_admin;
-
-GRANT SELECT ON outbox.replays, outbox.redis_losses, outbox.stream_marks TO outbox_admin;
-
-GRANT SELECT ON outbox.replays, outbox.redis_losses TO pg_monitor;
+GRANT EXECUTE ON FUNCTION outbox.repair_losses(bigint[]) TO outbox_admin;
 
 -- src/sql/health.sql
 CREATE OR REPLACE FUNCTION outbox._log_pending(count_events boolean)

@@ -67,6 +67,7 @@ extension_sql_file!("sql/copies.sql", name = "copies", requires = ["schema"]);
 extension_sql_file!("sql/operations.sql", name = "operations", requires = ["schema"]);
 extension_sql_file!("sql/journal.sql", name = "journal", requires = ["schema"]);
 extension_sql_file!("sql/replay.sql", name = "replay", requires = ["journal"]);
+extension_sql_file!("sql/losses.sql", name = "losses", requires = ["replay"]);
 extension_sql_file!("sql/health.sql", name = "health", finalize);
 // Functions only tests call, in schema tests: in the test build alone, never in a production install.
 #[cfg(any(test, feature = "pg_test"))]

@@ -304,6 +304,8 @@ COMMENT ON TABLE outbox.redis_losses IS
     'outbox_pg: streams Redis lost entries of after acknowledging them, as the relays found, and the replay that repairs each';
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
+GRANT SELECT ON outbox.redis_losses, outbox.stream_marks TO outbox_admin;
+GRANT SELECT ON outbox.redis_losses TO pg_monitor;
 
 -- -------------------------------------------------------------------------------------------------
 -- A COMMENT on every object (src/sql/, one file per concern; issue 25).

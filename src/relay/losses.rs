@@ -24,18 +24,11 @@ const STORED: &str = "SELECT stream, last_ms, last_seq, (extract(epoch FROM writ
 const REPORT: &str = "SELECT id, stream FROM outbox._report_losses($1, $2, $3::timestamptz[], $4)";
 const REPAIR: &str = "SELECT loss, replay FROM outbox.repair_losses($1)";
 /// A lost stream's stored mark goes: a relay started later must not find the same loss again.
-/// Marks at or below what was lost only: another relay may have stored a later one since.
-const FORGET: &str =
-    "DELETE FROM outbox.stream_marks m USING unnest($2::text[], $3::bigint[], $4::bigint[]) AS l(stream, ms, seq) \
-                      WHERE m.target = $1 AND m.stream = l.stream AND (m.last_ms, m.last_seq) <= (l.ms, l.seq)";
-/// The marks of `target` beyond the `$2` written to most recently (the relays check no more),
-/// and, with `outbox.retention`, those of any Redis not written to for longer than it.
-const PRUNE: &str = "DELETE FROM outbox.stream_marks m WHERE \
-                       (m.target = $1 AND m.written_at < (SELECT k.written_at FROM outbox.stream_marks k WHERE k.target = $1 \
-                                                          ORDER BY k.written_at DESC OFFSET $2 - 1 LIMIT 1)) \
-                       OR m.written_at < now() - $3 * interval '1 second'";
-pub const REPAIRS_RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.redis_losses l \
-                                   JOIN outbox.replay_requests r ON r.id = l.replay_id WHERE r.state = 'running')";
+const FORGET: &str = "SELECT outbox._forget_marks($1, $2, $3, $4)";
+/// The marks no relay checks any more.
+const PRUNE: &str = "SELECT outbox._prune_marks($1, $2, $3)";
+/// Whether a replay that repairs a loss still runs; housekeeping asks it too.
+pub const REPAIRS_RUNNING: &str = "SELECT outbox._repairs_running()";
 
 /// Whether a replay that repairs a loss still runs (false where the relay may not run its
 /// statements: no extension, another version).
@@ -55,7 +48,11 @@ pub fn prune_marks(target: String, retention_s: Option<i32>) -> Result<u64, Stri
     txn::run(move || {
         Spi::connect_mut(|client| {
             let args = [target.into(), (MAX_STREAMS as i64).into(), retention_s.into()];
-            client.update(PRUNE, None, &args).map(|deleted| deleted.len() as u64)
+            client
+                .update(PRUNE, None, &args)?
+                .first()
+                .get_one::<i64>()
+                .map(|deleted| deleted.unwrap_or(0).max(0) as u64)
         })
     })
 }
