@@ -4,7 +4,7 @@
 //! stream, what may be missing and the call that repairs it, and, with `outbox.replay_on_loss`,
 //! asks for that replay itself.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use std::panic::AssertUnwindSafe;
 
@@ -30,6 +30,68 @@ const PRUNE: &str = "SELECT outbox._prune_marks($1, $2, $3)";
 /// Whether a replay that repairs a loss still runs; housekeeping asks it too.
 pub const REPAIRS_RUNNING: &str = "SELECT outbox._repairs_running()";
 
+/// How often a relay stores the stream marks that moved outside a finish (a round stores its own
+/// in its finish, src/relay/settle.rs: these are a failed finish's).
+const MARKS_STORED_EVERY: Duration = Duration::from_secs(1);
+/// How often a relay prunes `outbox.stream_marks` (`prune_marks`).
+const MARKS_PRUNED_EVERY: Duration = Duration::from_secs(60);
+
+/// A relay's keeping of its stream marks between rounds.
+pub struct MarkKeeping {
+    /// The Redis whose stream marks stored by earlier relays were loaded into the sink (by its
+    /// description: no credentials).
+    loaded: Option<String>,
+    /// When this relay last stored the marks that moved outside a finish.
+    stored_at: Instant,
+    /// When `outbox.stream_marks` was last pruned, and the streams forgotten when last logged.
+    pruned_at: Instant,
+    forgotten_logged: u64,
+}
+
+impl Default for MarkKeeping {
+    fn default() -> Self {
+        MarkKeeping { loaded: None, stored_at: Instant::now(), pruned_at: Instant::now(), forgotten_logged: 0 }
+    }
+}
+
+impl MarkKeeping {
+    /// Whether the stored marks of some Redis were loaded (at start, before the first write).
+    pub fn loaded(&self) -> bool {
+        self.loaded.is_some()
+    }
+
+    /// Loads the marks earlier relays stored for the sink's Redis (at start, and after a reload
+    /// pointed the relay at another one), stores those that moved outside a finish, and prunes
+    /// the table now and then. Relay `slot` logs when it writes to more streams than it checks.
+    pub fn keep(&mut self, sink: &mut RedisSink, slot: usize) -> Result<(), String> {
+        let target = sink.marks_target();
+        if self.loaded.as_deref() != Some(target.as_str()) {
+            sink.adopt_marks(stored_marks(target.clone())?);
+            self.loaded = Some(target.clone());
+        }
+        if self.stored_at.elapsed() >= MARKS_STORED_EVERY {
+            self.stored_at = Instant::now();
+            let marks = sink.take_dirty_marks();
+            if let Err(error) = store_marks(target.clone(), marks.clone()) {
+                sink.marks_not_stored(marks);
+                return Err(error);
+            }
+        }
+        if self.pruned_at.elapsed() >= MARKS_PRUNED_EVERY {
+            self.pruned_at = Instant::now();
+            prune_marks(target, crate::guc::retention_s())?;
+            let forgotten = sink.marks_forgotten();
+            if forgotten > self.forgotten_logged {
+                self.forgotten_logged = forgotten;
+                log!(
+                    "outbox_pg: relay {slot} writes to more than {MAX_STREAMS} streams: losses are noticed only in the {MAX_STREAMS} written to most recently ({forgotten} streams forgotten so far)"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Whether a replay that repairs a loss still runs (false where the relay may not run its
 /// statements: no extension, another version).
 pub fn repairs_running(state: &mut RoundState) -> Result<bool, String> {
@@ -44,7 +106,7 @@ pub fn repairs_running(state: &mut RoundState) -> Result<bool, String> {
 }
 
 /// Deletes the marks `outbox.stream_marks` need not keep (`PRUNE`); how many.
-pub fn prune_marks(target: String, retention_s: Option<i32>) -> Result<u64, String> {
+fn prune_marks(target: String, retention_s: Option<i32>) -> Result<u64, String> {
     txn::run(move || {
         Spi::connect_mut(|client| {
             let args = [target.into(), (MAX_STREAMS as i64).into(), retention_s.into()];
@@ -64,7 +126,7 @@ fn postgres_us(at: SystemTime) -> i64 {
 
 /// Stores marks that moved (the later of each is kept), for the Redis `target` names, in a
 /// transaction of their own.
-pub fn store_marks(target: String, marks: Vec<(String, Mark)>) -> Result<(), String> {
+fn store_marks(target: String, marks: Vec<(String, Mark)>) -> Result<(), String> {
     if marks.is_empty() {
         return Ok(());
     }
@@ -87,7 +149,7 @@ pub fn write_marks(target: &str, marks: &[(String, Mark)]) -> Result<(), pgrx::s
 }
 
 /// The marks stored for the Redis `target` names, the most recently written first.
-pub fn stored_marks(target: String) -> Result<Vec<(String, Mark)>, String> {
+fn stored_marks(target: String) -> Result<Vec<(String, Mark)>, String> {
     txn::run(move || {
         Spi::connect(|client| {
             let mut marks = Vec::new();

@@ -19,7 +19,7 @@ use crate::guc;
 use crate::relay::backoff::Backoff;
 use crate::relay::health::{human, log_if_slow_round, millis, Health, HealthLog};
 use crate::relay::housekeeping::{self, HousekeepingOutcome};
-use crate::relay::losses;
+use crate::relay::losses::{self, MarkKeeping};
 use crate::relay::replay::{self, ReplayOutcome};
 use crate::relay::round::{self, Flight, RoundTimings, TickOutcome};
 use crate::relay::settings::{self, adopt_own_settings, redis_config, warn_about_settings};
@@ -28,7 +28,6 @@ use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
 use crate::shared::in_flight;
 use crate::shared::{self, ExtensionState};
-use crate::sink::marks::MAX_STREAMS;
 use crate::sink::redis::RedisSink;
 
 /// Delay of the first retry after Redis or the database failed; doubles up to `BACKOFF_CAP`.
@@ -37,11 +36,6 @@ const BACKOFF_CAP: Duration = Duration::from_secs(10);
 /// Housekeeping cadence while anything is undelivered or being purged; when the outbox is empty it
 /// runs only once per poll interval, so an idle relay queries no more often than that.
 const HOUSEKEEPING_BUSY: Duration = Duration::from_secs(1);
-/// How often a relay stores the stream marks that moved outside a finish (a round stores its own
-/// in its finish, src/relay/round.rs: these are a failed finish's).
-const MARKS_STORED_EVERY: Duration = Duration::from_secs(1);
-/// How often a relay prunes `outbox.stream_marks` (src/relay/losses.rs, `prune_marks`).
-const MARKS_PRUNED_EVERY: Duration = Duration::from_secs(60);
 /// While another relay replays what Redis lost, how long this one waits before it looks again.
 const REPAIR_WAIT: Duration = Duration::from_millis(20);
 /// With live traffic going on, a running replay gets a round at least this often.
@@ -98,14 +92,8 @@ struct Relay {
     /// when they were last compared with the catalog.
     own_settings: String,
     own_settings_read_at: Instant,
-    /// The Redis whose stream marks stored by earlier relays were loaded into the sink (by its
-    /// description: no credentials), and when this relay last stored its own
-    /// (src/relay/losses.rs).
-    marks_loaded: Option<String>,
-    marks_stored_at: Instant,
-    /// When `outbox.stream_marks` was last pruned, and the streams forgotten when last logged.
-    marks_pruned_at: Instant,
-    marks_forgotten_logged: u64,
+    /// The stream marks' loading, storing and pruning (src/relay/losses.rs).
+    marks: MarkKeeping,
     /// When an idle relay last made sure its Redis connection is alive (once per poll interval).
     kept_alive_at: Instant,
     /// When the last replay round ended, and how long it took: with live traffic going on, the
@@ -180,11 +168,8 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         exit: false,
         own_settings,
         own_settings_read_at: Instant::now(),
-        marks_loaded: None,
-        marks_stored_at: Instant::now(),
-        marks_pruned_at: Instant::now(),
+        marks: MarkKeeping::default(),
         kept_alive_at: Instant::now(),
-        marks_forgotten_logged: 0,
         replayed_at: Instant::now(),
         replay_took: Duration::ZERO,
         live_at: None,
@@ -289,29 +274,8 @@ impl Relay {
             }
             self.retry_at = None;
         }
-        // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
-        // One relay does it for all, whichever gets there first (a hung one is replaced).
-        if shared::claim_housekeeping(HOUSEKEEPING_BUSY) {
-            let started = Instant::now();
-            let done = self.housekeeping();
-            if let (Ok(_), Some(threshold)) = (&done, guc::log_min_duration()) {
-                if started.elapsed() >= threshold {
-                    log!(
-                        "outbox_pg: slow housekeeping: {} (reaper, age check and retention), above outbox.log_min_duration ({})",
-                        millis(started.elapsed()),
-                        millis(threshold)
-                    );
-                }
-            }
-            if self.exit {
-                return Some(Duration::ZERO);
-            }
-            match done {
-                Ok(busy) => {
-                    shared::schedule_housekeeping(if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) })
-                }
-                Err(error) => return Some(self.failed(Health::DatabaseError(error))),
-            }
+        if let Some(wait) = self.housekeeping_if_due(poll) {
+            return Some(wait);
         }
         let until_housekeeping = shared::until_housekeeping();
         shared::set_paused(!guc::enabled());
@@ -320,9 +284,75 @@ impl Relay {
             self.set_health(Health::Disabled);
             return Some(poll.min(until_housekeeping));
         }
-
         report_activity(true);
-        let settings = TickSettings {
+        let settings = self.tick_settings();
+        if let Some(wait) = self.before_live_round(&settings) {
+            return Some(wait);
+        }
+        let mut timings = RoundTimings::default();
+        let mut outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
+        if matches!(outcome, TickOutcome::Idle) && self.kept_alive_at.elapsed() >= poll {
+            // Nothing to publish: is Redis still there, and still the one the marks concern?
+            self.kept_alive_at = Instant::now();
+            if let Err(error) = self.sink.keep_alive() {
+                outcome = TickOutcome::BrokerDown { error, published: 0 };
+            }
+        }
+        // A loss check's pass goes on a chunk at a time while there is nothing to publish
+        // (src/sink/marks.rs); while streams are left, the relay comes back at once.
+        let checking = matches!(outcome, TickOutcome::Idle) && self.sink.check_between_rounds();
+        if let Some(wait) = self.after_live_round(&outcome, &timings, &settings, poll) {
+            return Some(wait);
+        }
+        // Decided before live_outcome takes the outcome: whether this is a replay round's turn.
+        let replay_turn = self.replay_turn(&outcome);
+        let next = self.live_outcome(outcome, &settings, poll, until_housekeeping);
+        let next = if checking { Some(Duration::ZERO) } else { next };
+        if replay_turn && next.is_none_or(|wait| !wait.is_zero()) && self.retry_at.is_none() {
+            return self.replay(&settings).or(next);
+        }
+        if self.flight.is_none() && self.retry_at.is_none() && shared::replay_requested() && self.live_recently() {
+            // The replay's turn comes once live rounds have had their share: wake up for it.
+            let turn = self.replay_took.max(REPLAY_EVERY).saturating_sub(self.replayed_at.elapsed());
+            return next.map(|wait| wait.min(turn));
+        }
+        next
+    }
+
+    /// Housekeeping, when this relay's turn for it has come: `Some` to end the turn there (the
+    /// relay must exit, or the database failed).
+    fn housekeeping_if_due(&mut self, poll: Duration) -> Option<Duration> {
+        // Housekeeping runs even while the relay is disabled: that is when the age alert matters.
+        // One relay does it for all, whichever gets there first (a hung one is replaced).
+        if !shared::claim_housekeeping(HOUSEKEEPING_BUSY) {
+            return None;
+        }
+        let started = Instant::now();
+        let done = self.housekeeping();
+        if let (Ok(_), Some(threshold)) = (&done, guc::log_min_duration()) {
+            if started.elapsed() >= threshold {
+                log!(
+                    "outbox_pg: slow housekeeping: {} (reaper, age check and retention), above outbox.log_min_duration ({})",
+                    millis(started.elapsed()),
+                    millis(threshold)
+                );
+            }
+        }
+        if self.exit {
+            return Some(Duration::ZERO);
+        }
+        match done {
+            Ok(busy) => {
+                shared::schedule_housekeeping(if busy { HOUSEKEEPING_BUSY } else { poll.max(HOUSEKEEPING_BUSY) });
+                None
+            }
+            Err(error) => Some(self.failed(Health::DatabaseError(error))),
+        }
+    }
+
+    /// The settings of the round about to run, as the GUCs and shared memory say now.
+    fn tick_settings(&self) -> TickSettings {
+        TickSettings {
             slot: self.slot,
             // SAFETY: MyProcPid is set for every backend.
             pid: unsafe { pg_sys::MyProcPid },
@@ -338,11 +368,16 @@ impl Relay {
             full_read: Instant::now() >= self.full_read_at,
             max_attempts: guc::max_attempts(),
             retry_delay_ms: guc::retry_delay_ms(),
-        };
+        }
+    }
+
+    /// What must hold before a live round: the stored marks loaded, and no loss repair running.
+    /// `Some` when no live round runs now (and how long to wait).
+    fn before_live_round(&mut self, settings: &TickSettings) -> Option<Duration> {
         // The marks earlier relays stored, before this relay's first write: a stream Redis lost
         // while no relay ran would be written to again first, and the loss hidden.
         // (Only where the extension was last found at this library's version: the table is 0.3.0's.)
-        if self.state.version_checked.is_some() && self.marks_loaded.is_none() {
+        if self.state.version_checked.is_some() && !self.marks.loaded() {
             if let Err(error) = self.keep_marks() {
                 return Some(self.failed(Health::DatabaseError(error)));
             }
@@ -350,34 +385,35 @@ impl Relay {
         // No live round while a loss repair runs, whichever relay of the database recorded the
         // loss (shared::repairs_raised: two atomic loads a round; the query only while raised).
         let raised = if guc::replay_on_loss() { shared::repairs_raised() } else { None };
-        if self.repairing || raised.is_some() {
-            match losses::repairs_running(&mut self.state) {
-                // Another relay may be running the repair: wait a little for it.
-                Ok(true) => {
-                    self.repairing = true;
-                    return Some(self.replay(&settings).unwrap_or(REPAIR_WAIT));
-                }
-                Ok(false) => {
-                    self.repairing = false;
-                    if let Some(raised) = raised {
-                        shared::repairs_checked(raised);
-                    }
-                }
-                Err(error) => return Some(self.failed(Health::DatabaseError(error))),
-            }
+        if !self.repairing && raised.is_none() {
+            return None;
         }
-        let mut timings = RoundTimings::default();
-        let mut outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
-        if matches!(outcome, TickOutcome::Idle) && self.kept_alive_at.elapsed() >= poll {
-            // Nothing to publish: is Redis still there, and still the one the marks concern?
-            self.kept_alive_at = Instant::now();
-            if let Err(error) = self.sink.keep_alive() {
-                outcome = TickOutcome::BrokerDown { error, published: 0 };
+        match losses::repairs_running(&mut self.state) {
+            // Another relay may be running the repair: wait a little for it.
+            Ok(true) => {
+                self.repairing = true;
+                Some(self.replay(settings).unwrap_or(REPAIR_WAIT))
             }
+            Ok(false) => {
+                self.repairing = false;
+                if let Some(raised) = raised {
+                    shared::repairs_checked(raised);
+                }
+                None
+            }
+            Err(error) => Some(self.failed(Health::DatabaseError(error))),
         }
-        // A loss check's pass goes on a chunk at a time while there is nothing to publish
-        // (src/sink/marks.rs); while streams are left, the relay comes back at once.
-        let checking = matches!(outcome, TickOutcome::Idle) && self.sink.check_between_rounds();
+    }
+
+    /// The bookkeeping after a live round: marks stored, losses reported, shared state, the next
+    /// full read, slow-round logs. `Some` when the turn ends here (a loss to repair, a failure).
+    fn after_live_round(
+        &mut self,
+        outcome: &TickOutcome,
+        timings: &RoundTimings,
+        settings: &TickSettings,
+        poll: Duration,
+    ) -> Option<Duration> {
         // Only where the extension is ready at this library's version (the marks' table is
         // 0.3.0's): after a round that could run.
         if matches!(outcome, TickOutcome::Worked { .. } | TickOutcome::Idle | TickOutcome::SteppedOver) {
@@ -396,7 +432,7 @@ impl Relay {
         shared::set_redis_connected(self.sink.is_connected());
         // A cut batch or a failure reads everything again next round; otherwise a full read once
         // per poll interval.
-        match &outcome {
+        match outcome {
             // A round left in flight is landed by the next round, which reads on a kept claim.
             TickOutcome::Worked { in_flight: true, .. } => {}
             TickOutcome::Worked { more: true, .. }
@@ -412,7 +448,7 @@ impl Relay {
             }
             self.shards_held = held;
         }
-        log_if_slow_round(&outcome, &timings);
+        log_if_slow_round(outcome, timings);
         if timings.total() >= settings.lease && !matches!(outcome, TickOutcome::Idle) {
             warning!(
                 "outbox_pg: relay {} took {} for one round, longer than outbox.lease ({}): its shards' lease expired meanwhile and \
@@ -422,31 +458,25 @@ impl Relay {
                 human(settings.lease)
             );
         }
-        if matches!(outcome, TickOutcome::Worked { claimed, .. } if claimed > 0) {
+        if matches!(outcome, TickOutcome::Worked { claimed, .. } if *claimed > 0) {
             self.live_at = Some(Instant::now());
         }
-        // A time share: while live traffic flows, replay rounds (short ones) alternate with at
-        // least as much time for live rounds, so a live event waits at most about one short
-        // replay round; without live traffic, a replay round follows every idle live round.
-        let replay_now = self.flight.is_none()
+        None
+    }
+
+    /// Whether a replay round runs after this live round. A time share: while live traffic
+    /// flows, replay rounds (short ones) alternate with at least as much time for live rounds, so
+    /// a live event waits at most about one short replay round; without live traffic, a replay
+    /// round follows every idle live round.
+    fn replay_turn(&self, outcome: &TickOutcome) -> bool {
+        self.flight.is_none()
             && shared::replay_requested()
             && if self.live_recently() {
                 self.replayed_at.elapsed() >= self.replay_took.max(REPLAY_EVERY)
             } else {
                 matches!(outcome, TickOutcome::Idle | TickOutcome::Worked { more: false, .. })
                     || self.replayed_at.elapsed() >= REPLAY_EVERY
-            };
-        let next = self.live_outcome(outcome, &settings, poll, until_housekeeping);
-        let next = if checking { Some(Duration::ZERO) } else { next };
-        if replay_now && next.is_none_or(|wait| !wait.is_zero()) && self.retry_at.is_none() {
-            return self.replay(&settings).or(next);
-        }
-        if self.flight.is_none() && self.retry_at.is_none() && shared::replay_requested() && self.live_recently() {
-            // The replay's turn comes once live rounds have had their share: wake up for it.
-            let turn = self.replay_took.max(REPLAY_EVERY).saturating_sub(self.replayed_at.elapsed());
-            return next.map(|wait| wait.min(turn));
-        }
-        next
+            }
     }
 
     /// What a live round's outcome means for the relay: its health, its logs, and how long to wait
@@ -674,33 +704,7 @@ impl Relay {
     /// own stored when they moved, at most once a second, so that a relay started anew knows
     /// them.
     fn keep_marks(&mut self) -> Result<(), String> {
-        let target = self.sink.marks_target();
-        if self.marks_loaded.as_deref() != Some(target.as_str()) {
-            // At start, and after a reload pointed the relay at another Redis (or database).
-            self.sink.adopt_marks(losses::stored_marks(target.clone())?);
-            self.marks_loaded = Some(target.clone());
-        }
-        if self.marks_stored_at.elapsed() >= MARKS_STORED_EVERY {
-            self.marks_stored_at = Instant::now();
-            let marks = self.sink.take_dirty_marks();
-            if let Err(error) = losses::store_marks(target.clone(), marks.clone()) {
-                self.sink.marks_not_stored(marks);
-                return Err(error);
-            }
-        }
-        if self.marks_pruned_at.elapsed() >= MARKS_PRUNED_EVERY {
-            self.marks_pruned_at = Instant::now();
-            losses::prune_marks(target, guc::retention_s())?;
-            let forgotten = self.sink.marks_forgotten();
-            if forgotten > self.marks_forgotten_logged {
-                self.marks_forgotten_logged = forgotten;
-                log!(
-                    "outbox_pg: relay {} writes to more than {MAX_STREAMS} streams: losses are noticed only in the {MAX_STREAMS} written to most recently ({forgotten} streams forgotten so far)",
-                    self.slot
-                );
-            }
-        }
-        Ok(())
+        self.marks.keep(&mut self.sink, self.slot)
     }
 
     /// Logs what a new connection learnt of the server, then records and logs the losses the
