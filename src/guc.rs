@@ -163,6 +163,20 @@ static MAX_DATABASES: GucSetting<i32> = GucSetting::<i32>::new(16);
 /// Registers every setting. `outbox.database` is `POSTMASTER`, which PostgreSQL only allows while
 /// preloading, so it is defined only then.
 pub fn init(preloading: bool) {
+    define_redis_settings();
+    define_database_settings(preloading);
+    define_pacing_settings();
+    define_stream_settings();
+    define_delivery_settings();
+    define_housekeeping_settings();
+    define_entry_settings();
+    // SAFETY: called from _PG_init with a valid, static, NUL-terminated prefix.
+    unsafe { pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
+}
+
+/// Where Redis is and how the relay reaches it: URL, password file, TLS files, topology, replicas,
+/// timeout.
+fn define_redis_settings() {
     // SAFETY: `show_redis_url` is a `#[pg_guard]`ed show hook that only reads the setting.
     unsafe {
         // The URL may hold a password. SUPERUSER_ONLY alone is not enough: members of
@@ -181,18 +195,6 @@ pub fn init(preloading: bool) {
             Some(check_redis_url),
             None,
             Some(show_redis_url),
-        );
-        GucRegistry::define_string_guc_with_hooks(
-            c"outbox.allowed_streams",
-            c"Comma-separated glob patterns of the Redis streams events may be written to.",
-            c"Checked by outbox_enqueue, for an explicit stream and for the outbox.stream template alike. \
-              * matches any run of characters, ? one character, \\ makes the next one literal.",
-            &ALLOWED_STREAMS,
-            GucContext::Suset,
-            GucFlags::empty(),
-            Some(check_allowed_streams),
-            None,
-            None,
         );
     }
     GucRegistry::define_string_guc(
@@ -265,6 +267,10 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::UNIT_MS,
     );
+}
+
+/// Which databases are relayed, and how many at most (`preloading`: see `init`).
+fn define_database_settings(preloading: bool) {
     if preloading {
         GucRegistry::define_int_guc(
             c"outbox.max_databases",
@@ -293,6 +299,10 @@ pub fn init(preloading: bool) {
         GucContext::Sighup,
         GucFlags::empty(),
     );
+}
+
+/// How many relays per database, how much a round takes, how often an idle relay looks.
+fn define_pacing_settings() {
     GucRegistry::define_int_guc(
         c"outbox.workers",
         c"Number of relay workers sharing the load.",
@@ -333,6 +343,25 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::UNIT_MS,
     );
+}
+
+/// Which streams events go to, how they are trimmed, how large an event may be.
+fn define_stream_settings() {
+    // SAFETY: `check_allowed_streams` is a `#[pg_guard]`ed check hook that only reads the value.
+    unsafe {
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.allowed_streams",
+            c"Comma-separated glob patterns of the Redis streams events may be written to.",
+            c"Checked by outbox_enqueue, for an explicit stream and for the outbox.stream template alike. \
+              * matches any run of characters, ? one character, \\ makes the next one literal.",
+            &ALLOWED_STREAMS,
+            GucContext::Suset,
+            GucFlags::empty(),
+            Some(check_allowed_streams),
+            None,
+            None,
+        );
+    }
     GucRegistry::define_string_guc(
         c"outbox.stream",
         c"Stream key template for events enqueued without a stream.",
@@ -369,6 +398,10 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::UNIT_BYTE,
     );
+}
+
+/// How events are delivered: leases, ordering, the failure path, the switch, repairs.
+fn define_delivery_settings() {
     GucRegistry::define_int_guc(
         c"outbox.lease",
         c"How old a relay's lease may grow before the other relays take its shards over.",
@@ -407,6 +440,26 @@ pub fn init(preloading: bool) {
         GucContext::Suset,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_bool_guc(
+        c"outbox.enabled",
+        c"Whether the relay publishes; off pauses it while enqueue keeps working.",
+        c"",
+        &ENABLED,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.replay_on_loss",
+        c"Whether the relays replay what Redis lost of a stream as soon as they notice it.",
+        c"Off: the loss is logged and shown in outbox.stats.redis_data_loss and outbox.redis_losses, and outbox.repair_losses() replays it.",
+        &REPLAY_ON_LOSS,
+        GucContext::Suset,
+        GucFlags::empty(),
+    );
+}
+
+/// Retention, the age alert, slow-round logs.
+fn define_housekeeping_settings() {
     GucRegistry::define_int_guc(
         c"outbox.retention",
         c"How long published events are kept at least; 0 keeps them. They are removed a whole log table at a time.",
@@ -439,22 +492,10 @@ pub fn init(preloading: bool) {
     );
     #[cfg(feature = "fault-injection")]
     crate::faults::define_setting();
-    GucRegistry::define_bool_guc(
-        c"outbox.enabled",
-        c"Whether the relay publishes; off pauses it while enqueue keeps working.",
-        c"",
-        &ENABLED,
-        GucContext::Suset,
-        GucFlags::empty(),
-    );
-    GucRegistry::define_bool_guc(
-        c"outbox.replay_on_loss",
-        c"Whether the relays replay what Redis lost of a stream as soon as they notice it.",
-        c"Off: the loss is logged and shown in outbox.stats.redis_data_loss and outbox.redis_losses, and outbox.repair_losses() replays it.",
-        &REPLAY_ON_LOSS,
-        GucContext::Suset,
-        GucFlags::empty(),
-    );
+}
+
+/// What an entry carries: its format, the CloudEvents source, trace context.
+fn define_entry_settings() {
     GucRegistry::define_enum_guc(
         c"outbox.entry_format",
         c"The fields of each stream entry: native (outbox_pg's own) or cloudevents (CloudEvents 1.0 attributes).",
@@ -499,8 +540,6 @@ pub fn init(preloading: bool) {
             None,
         );
     }
-    // SAFETY: called from _PG_init with a valid, static, NUL-terminated prefix.
-    unsafe { pg_sys::MarkGUCPrefixReserved(c"outbox".as_ptr()) };
 }
 
 fn string_of(setting: &GucSetting<Option<CString>>) -> String {
