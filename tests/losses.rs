@@ -470,8 +470,6 @@ fn an_idle_relay_notices_a_redis_restart_and_its_loss_without_a_write() {
         (losses(&mut client, "outbox:idle") == 1).then_some(())
     });
     wait_for(DEADLINE, "redis_connected again", || connected(&mut client).then_some(()));
-    let log = env.pg.log();
-    assert!(log.contains("cannot publish to Redis"), "the outage is reported: {log}");
 }
 
 #[test]
