@@ -1792,11 +1792,24 @@ $fn$;
 COMMENT ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) IS
     'outbox_pg: records a replay round''s progress; relays only';
 
+CREATE OR REPLACE FUNCTION outbox._replays_running()
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running');
+$fn$;
+
+COMMENT ON FUNCTION outbox._replays_running() IS
+    'outbox_pg: whether any replay runs; relays only';
+
 REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._replays_running() FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) FROM PUBLIC;
 
@@ -1949,6 +1962,35 @@ $fn$;
 COMMENT ON FUNCTION outbox._repairs_running() IS
     'outbox_pg: whether a replay that repairs a Redis loss still runs; relays only';
 
+CREATE OR REPLACE FUNCTION outbox._stored_marks(target text, most bigint)
+RETURNS TABLE (stream text, last_ms bigint, last_seq bigint, written_us bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT m.stream, m.last_ms, m.last_seq, (extract(epoch FROM m.written_at) * 1000000)::bigint
+      FROM outbox.stream_marks m
+     WHERE m.target = _stored_marks.target
+     ORDER BY m.written_at DESC
+     LIMIT most;
+$fn$;
+
+COMMENT ON FUNCTION outbox._stored_marks(text, bigint) IS
+    'outbox_pg: the stream marks stored for a Redis, the most recently written first; relays only';
+
+CREATE OR REPLACE FUNCTION outbox._unrepaired_losses(replay bigint)
+RETURNS TABLE (id bigint, stream text)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT l.id, l.stream
+      FROM outbox.redis_losses l JOIN outbox.replay_requests r ON r.id = l.replay_id
+     WHERE r.id = _unrepaired_losses.replay AND r.state = 'done' AND r.replayed = 0
+     ORDER BY l.id;
+$fn$;
+
+COMMENT ON FUNCTION outbox._unrepaired_losses(bigint) IS
+    'outbox_pg: the losses a done replay repaired nothing of; relays only';
+
 REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) FROM PUBLIC;
@@ -1958,6 +2000,10 @@ REVOKE ALL ON FUNCTION outbox._forget_marks(text, text[], bigint[], bigint[]) FR
 REVOKE ALL ON FUNCTION outbox._prune_marks(text, bigint, integer) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._repairs_running() FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._stored_marks(text, bigint) FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION outbox._unrepaired_losses(bigint) FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) FROM PUBLIC;
 

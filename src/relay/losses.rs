@@ -19,8 +19,7 @@ use crate::sink::redis::RedisSink;
 use crate::sink::StreamId;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
-const STORED: &str = "SELECT stream, last_ms, last_seq, (extract(epoch FROM written_at) * 1000000)::bigint \
-                      FROM outbox.stream_marks WHERE target = $1 ORDER BY written_at DESC LIMIT $2";
+const STORED: &str = "SELECT stream, last_ms, last_seq, written_us FROM outbox._stored_marks($1, $2)";
 const REPORT: &str = "SELECT id, stream FROM outbox._report_losses($1, $2, $3::timestamptz[], $4)";
 const REPAIR: &str = "SELECT loss, replay FROM outbox.repair_losses($1)";
 /// A lost stream's stored mark goes: a relay started later must not find the same loss again.

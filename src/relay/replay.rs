@@ -67,11 +67,9 @@ const EVENTS: &str = "SELECT event_id::text, id, aggregate_type, aggregate_id, e
                       created_at, matches \
                       FROM outbox._replay_events($1::uuid[], $2::timestamptz, $3::timestamptz, $4, $5)";
 /// Whether any replay runs (or waits for its throttle); housekeeping asks it too.
-pub const REPLAYS_RUNNING: &str = "SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running')";
+pub const REPLAYS_RUNNING: &str = "SELECT outbox._replays_running()";
 /// The losses a finished replay was to repair and did not: it replayed nothing.
-const UNREPAIRED: &str =
-    "SELECT l.id, l.stream FROM outbox.redis_losses l JOIN outbox.replay_requests r ON r.id = l.replay_id \
-                          WHERE r.id = $1 AND r.state = 'done' AND r.replayed = 0 ORDER BY l.id";
+const UNREPAIRED: &str = "SELECT id, stream FROM outbox._unrepaired_losses($1)";
 const PROGRESS: &str = "SELECT outbox._replay_progress($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::timestamptz)";
 
 /// What a replay round did.

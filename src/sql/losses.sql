@@ -228,11 +228,58 @@ $fn$;
 COMMENT ON FUNCTION outbox._repairs_running() IS
     'outbox_pg: whether a replay that repairs a Redis loss still runs; relays only';
 
+-- -------------------------------------------------------------------------------------------------
+-- outbox._stored_marks(target, most)
+--
+--     The stream marks stored for the Redis target names, the most recently written first, at most
+--     most of them: what a relay adopts before its first write (a relay checks no more).
+-- Returns: per stream, its last entry ID (ms, seq) and when it was written, in microseconds since
+--          1970
+-- Reads:   outbox.stream_marks
+-- Called by: a relay, at start and when it is pointed at another Redis
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._stored_marks(target text, most bigint)
+RETURNS TABLE (stream text, last_ms bigint, last_seq bigint, written_us bigint)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT m.stream, m.last_ms, m.last_seq, (extract(epoch FROM m.written_at) * 1000000)::bigint
+      FROM outbox.stream_marks m
+     WHERE m.target = _stored_marks.target
+     ORDER BY m.written_at DESC
+     LIMIT most;
+$fn$;
+COMMENT ON FUNCTION outbox._stored_marks(text, bigint) IS
+    'outbox_pg: the stream marks stored for a Redis, the most recently written first; relays only';
+
+-- -------------------------------------------------------------------------------------------------
+-- outbox._unrepaired_losses(replay)
+--
+--     The losses a replay was to repair and did not, once it is done: it replayed nothing (their
+--     streams' events map to other streams now, or retention removed them).
+-- Reads:   outbox.redis_losses, outbox.replay_requests
+-- Called by: a relay, after the last round of a replay, to say so (a WARNING per loss)
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._unrepaired_losses(replay bigint)
+RETURNS TABLE (id bigint, stream text)
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT l.id, l.stream
+      FROM outbox.redis_losses l JOIN outbox.replay_requests r ON r.id = l.replay_id
+     WHERE r.id = _unrepaired_losses.replay AND r.state = 'done' AND r.replayed = 0
+     ORDER BY l.id;
+$fn$;
+COMMENT ON FUNCTION outbox._unrepaired_losses(bigint) IS
+    'outbox_pg: the losses a done replay repaired nothing of; relays only';
+
 REVOKE ALL ON FUNCTION outbox.repair_losses(bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._store_marks(text, text[], bigint[], bigint[], timestamptz[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._forget_marks(text, text[], bigint[], bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._prune_marks(text, bigint, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._repairs_running() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._stored_marks(text, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._unrepaired_losses(bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._report_losses(text[], text[], timestamptz[], text[]) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.repair_losses(bigint[]) TO outbox_admin;
 GRANT SELECT ON outbox.redis_losses, outbox.stream_marks TO outbox_admin;

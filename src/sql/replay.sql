@@ -538,9 +538,27 @@ $fn$;
 COMMENT ON FUNCTION outbox._replay_progress(bigint, integer, bigint, integer, bigint, bigint, bigint, bigint, bigint, text, boolean, timestamptz) IS
     'outbox_pg: records a replay round''s progress; relays only';
 
+-- -------------------------------------------------------------------------------------------------
+-- outbox._replays_running()
+--
+--     Whether any replay runs (or waits for its throttle).
+-- Reads:   outbox.replay_requests (its partial index on running replays)
+-- Called by: a relay's replay turn, and housekeeping (which then keeps the relays looking)
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._replays_running()
+RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+    SELECT EXISTS (SELECT 1 FROM outbox.replay_requests WHERE state = 'running');
+$fn$;
+COMMENT ON FUNCTION outbox._replays_running() IS
+    'outbox_pg: whether any replay runs; relays only';
+
 REVOKE ALL ON FUNCTION outbox.replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.cancel_replay(bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._claim_replay(integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox._replays_running() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._replay_walk(bigint, integer, bigint, integer, integer, text[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._request_replay(timestamptz, timestamptz, text[], text[], uuid[], text, timestamptz, boolean, integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox._raw_size(jsonb) FROM PUBLIC;
