@@ -569,9 +569,14 @@ fn unadopted_copies_take_no_entry_from_databases_that_publish() {
     for n in 1..=4 {
         wait_relays_in(&mut admin, &format!("cp{n}"), 0);
     }
-    let said: Option<String> =
-        pg.connect_to("cp2").query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
-    assert!(said.unwrap_or_default().contains("has no relay and publishes nothing until SELECT outbox.adopt_copy()"));
+    // Every rescan (the CREATE DATABASE and CREATE EXTENSION above) probes each copy again, and
+    // while a probe runs the copy shows its relay's words instead: wait for the probes to end.
+    let mut cp2 = pg.connect_to("cp2");
+    wait_for(DEADLINE, "cp2's stats to say it has no relay until adopted", || {
+        let said: Option<String> = cp2.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+        said.filter(|s| s.contains("has no relay and publishes nothing until SELECT outbox.adopt_copy()")).map(|_| ())
+    });
+    drop(cp2);
     // An unadopted copy accepts events; they wait for its adoption.
     let mut cp1 = pg.connect_to("cp1");
     enqueue(&mut cp1, "cp1", 1);
