@@ -444,8 +444,6 @@ fn a_loss_when_both_servers_crash_around_a_finish_is_noticed() {
     }
 }
 
-/// Where the relay's Redis user may not run `EVAL` (README's least privileges: `+xinfo|stream`),
-/// the check asks `XINFO STREAM` itself, one stream per exchange, and still finds a loss.
 /// An idle relay notices a Redis restart without waiting for a write: once per poll interval it
 /// makes sure its connection is alive, and the new connection's check finds what Redis lost.
 /// Meanwhile outbox.stats.redis_connected says Redis is gone (it stayed true before, and the loss
@@ -464,6 +462,14 @@ fn an_idle_relay_notices_a_redis_restart_and_its_loss_without_a_write() {
     wait_for(DEADLINE, "redis_connected to turn false while nothing is published", || {
         (!connected(&mut client)).then_some(())
     });
+    // A retry fails again (the error's time moves): no idle round in between was taken for a
+    // recovery ("publishing ... again" every poll interval of the outage, before).
+    let error_at = |client: &mut postgres::Client| -> Option<std::time::SystemTime> {
+        client.query_one("SELECT last_error_at FROM outbox.stats", &[]).unwrap().get(0)
+    };
+    let first = error_at(&mut client);
+    wait_for(DEADLINE, "a retry to fail again while Redis is away", || (error_at(&mut client) > first).then_some(()));
+    assert!(!env.pg.log().contains("again after"), "no recovery while Redis was away: {}", env.pg.log());
     // Back empty (no persistence): the entry the relay wrote is gone.
     env.redis.restart();
     wait_for(DEADLINE, "the loss of outbox:idle to be recorded without a write", || {
@@ -472,6 +478,82 @@ fn an_idle_relay_notices_a_redis_restart_and_its_loss_without_a_write() {
     wait_for(DEADLINE, "redis_connected again", || connected(&mut client).then_some(()));
 }
 
+/// A Redis restarted empty under a relay that wrote to many streams, with outbox.replay_on_loss:
+/// the check finds the losses a chunk of streams per round, each round stopping before it writes,
+/// and none of those stops counts as a failure of Redis (they did, in replay rounds: the backoff
+/// grew to its cap, and finding 3,995 lost streams took 7 minutes). Every stream is repaired.
+#[test]
+fn many_lost_streams_are_found_and_repaired_without_backing_off() {
+    let mut env = Env::start(&["outbox.poll_interval = '100ms'", "outbox.replay_on_loss = on"]);
+    let mut client = env.pg.connect();
+    client
+        .batch_execute(
+            "SELECT count(outbox_enqueue('many', n::text, 't', '{}', NULL, 'many:' || n)) FROM generate_series(1, 300) n",
+        )
+        .unwrap();
+    env.redis.wait_for_entries("many:300", 1);
+    wait_for(DEADLINE, "every event published", || {
+        client
+            .query_one("SELECT oldest_pending_age IS NULL FROM outbox.stats", &[])
+            .unwrap()
+            .get::<_, bool>(0)
+            .then_some(())
+    });
+    env.redis.restart();
+    wait_for(DEADLINE, "300 losses recorded", || {
+        (client.query_one("SELECT count(*) FROM outbox.redis_losses", &[]).unwrap().get::<_, i64>(0) == 300)
+            .then_some(())
+    });
+    // Each loss's replay counts as repairing it while it runs: wait until every one is done.
+    wait_for(Duration::from_secs(180), "every repair done", || {
+        let running: i64 =
+            client.query_one("SELECT count(*) FROM outbox.replays WHERE state <> 'done'", &[]).unwrap().get(0);
+        (running == 0).then_some(())
+    });
+    let repaired: i64 = client.query_one("SELECT redis_data_loss FROM outbox.stats", &[]).unwrap().get(0);
+    assert_eq!(repaired, 0);
+    for n in [1, 150, 300] {
+        assert_eq!(env.redis.xlen(&format!("many:{n}")), 1, "many:{n} replayed");
+    }
+    let last_error: Option<String> = client.query_one("SELECT last_error FROM outbox.stats", &[]).unwrap().get(0);
+    assert!(
+        !last_error.clone().unwrap_or_default().contains("lost entries"),
+        "a loss was taken for an outage: {last_error:?}"
+    );
+}
+
+/// A relay whose Redis user may not PING stays connected while idle: any reply, NOPERM too, shows
+/// the connection alive (it reported an outage at every poll, and delayed events by its backoff).
+#[test]
+fn an_idle_relay_without_ping_permission_is_not_in_an_outage() {
+    let redis = Redis::start();
+    let user: Vec<&str> = RELAY_ACL_USER.iter().copied().filter(|p| *p != "+ping").chain(["+eval"]).collect();
+    redis.query::<()>(redis::cmd("ACL").arg([&["SETUSER"][..], &user].concat()));
+    let pg = Cluster::start(
+        redis.port,
+        &[
+            &format!("outbox.redis_url = 'redis://relay:relay-pw@127.0.0.1:{}'", redis.port),
+            "outbox.poll_interval = '100ms'",
+        ],
+    );
+    pg.connect().batch_execute("CREATE EXTENSION outbox_pg").unwrap();
+    let mut client = pg.connect();
+    enqueue_to(&mut client, "noping", "1", None);
+    redis.wait_for_entries("outbox:noping", 1);
+    // Idle polls PING and are refused: wait until Redis logged some refusals.
+    wait_for(DEADLINE, "a PING refused by the ACL", || {
+        let denied: Vec<redis::Value> = redis.query(redis::cmd("ACL").arg("LOG"));
+        format!("{denied:?}").contains("ping").then_some(())
+    });
+    enqueue_to(&mut client, "noping", "2", None);
+    redis.wait_for_entries("outbox:noping", 2);
+    let connected: bool = client.query_one("SELECT redis_connected FROM outbox.stats", &[]).unwrap().get(0);
+    assert!(connected);
+    assert!(!pg.log().contains("cannot publish"), "{}", pg.log());
+}
+
+/// Where the relay's Redis user may not run `EVAL` (README's least privileges: `+xinfo|stream`),
+/// the check asks `XINFO STREAM` itself, one stream per exchange, and still finds a loss.
 #[test]
 fn without_eval_the_check_asks_xinfo_stream_and_still_finds_a_loss() {
     let redis = Redis::start();

@@ -291,8 +291,11 @@ impl Relay {
         }
         let mut timings = RoundTimings::default();
         let mut outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
-        if matches!(outcome, TickOutcome::Idle) && self.kept_alive_at.elapsed() >= poll {
-            // Nothing to publish: is Redis still there, and still the one the marks concern?
+        // Nothing to publish: is Redis still there, and still the one the marks concern? Once per
+        // poll interval, and at every retry of an outage: an idle round says nothing of Redis, and
+        // taken as a recovery it logged "publishing again" every second of an outage.
+        let in_outage = self.backoff.failures() > 0;
+        if matches!(outcome, TickOutcome::Idle) && (in_outage || self.kept_alive_at.elapsed() >= poll) {
             self.kept_alive_at = Instant::now();
             if let Err(error) = self.sink.keep_alive() {
                 outcome = TickOutcome::BrokerDown { error, published: 0 };
@@ -676,10 +679,15 @@ impl Relay {
         let outcome = replay::replay_round(&mut self.sink, settings, &mut self.state, limits);
         self.replayed_at = Instant::now();
         self.replay_took = started.elapsed();
-        if self.report_losses() && guc::replay_on_loss() {
+        let repair_losses = self.report_losses() && guc::replay_on_loss();
+        if repair_losses {
             self.repairing = true;
         }
         match outcome {
+            // The sink stopped the round because its check found losses (recorded just now): not
+            // a failure of Redis, and the check's next chunk comes at once. Counted as one, a pass
+            // over thousands of lost streams took minutes of growing backoff.
+            ReplayOutcome::BrokerDown(_) if repair_losses => Some(Duration::ZERO),
             ReplayOutcome::Nothing => {
                 shared::replays_done();
                 None

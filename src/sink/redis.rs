@@ -809,8 +809,10 @@ impl RedisSink {
             return Ok(());
         }
         self.connect_any()?;
-        let ping = |connection: &mut redis::Connection| {
-            redis::cmd("PING").query::<redis::Value>(connection).map_err(|e| BrokerError(node::describe_error(&e)))
+        // Any reply proves the connection alive: a user without +ping gets NOPERM, not an outage.
+        let ping = |connection: &mut redis::Connection| match redis::cmd("PING").query::<redis::Value>(connection) {
+            Err(error) if error.code().is_none() => Err(BrokerError(node::describe_error(&error))),
+            _ => Ok(()),
         };
         if let Some(connection) = self.single.as_mut() {
             if let Err(error) = ping(connection) {
