@@ -1295,6 +1295,10 @@ BEGIN
         RAISE EXCEPTION '%: ids is empty: it names no event', caller
             USING ERRCODE = 'invalid_parameter_value', HINT = hint;
     END IF;
+    IF array_ndims(ids) > 1 THEN
+        RAISE EXCEPTION '%: ids must be a list, not an array of % dimensions (got %)', caller, array_ndims(ids), ids
+            USING ERRCODE = 'invalid_parameter_value', HINT = hint;
+    END IF;
     IF array_position(ids, NULL) IS NOT NULL THEN
         RAISE EXCEPTION '%: ids holds a NULL (got %)', caller, ids
             USING ERRCODE = 'null_value_not_allowed', HINT = hint;
@@ -1308,7 +1312,7 @@ END
 $fn$;
 
 COMMENT ON FUNCTION outbox._check_event_ids(text, bigint[], text) IS
-    'Internal: refuses an empty list of event ids, a NULL in it, or an id below 1';
+    'Internal: refuses an empty or multidimensional list of event ids, a NULL in it, or an id below 1';
 
 CREATE OR REPLACE FUNCTION outbox.retry_failed(ids bigint[] DEFAULT NULL)
 RETURNS bigint
@@ -1496,18 +1500,26 @@ BEGIN
             USING ERRCODE = 'null_value_not_allowed',
                   HINT = 'Pass partial => true to replay what is left of a range retention removed in part, or false (the default).';
     END IF;
-    -- 'infinity' parses as a time, and would select nothing while the replay reports done.
-    IF since = 'infinity' OR published_since = 'infinity' THEN
-        RAISE EXCEPTION 'outbox.replay: % is infinity: no event is enqueued or published after it',
-                        CASE WHEN since = 'infinity' THEN 'since' ELSE 'published_since' END
+    -- A replay covers what was published when it is asked for: a time to come (or 'infinity')
+    -- would select nothing while the replay reports done.
+    IF since > clock_timestamp() OR published_since > clock_timestamp() THEN
+        RAISE EXCEPTION 'outbox.replay: % is %, in the future: a replay sends what was published before it was asked for',
+                        CASE WHEN since > clock_timestamp() THEN 'since' ELSE 'published_since' END,
+                        CASE WHEN since > clock_timestamp() THEN since ELSE published_since END
             USING ERRCODE = 'invalid_parameter_value',
-                  HINT = 'Pass a finite time, e.g. now() - interval ''1 hour'', or -infinity for everything retained.';
+                  HINT = 'Pass a time in the past, e.g. now() - interval ''1 hour''.';
+    END IF;
+    IF array_ndims(streams) > 1 OR array_ndims(aggregate_types) > 1 OR array_ndims(event_ids) > 1 THEN
+        RAISE EXCEPTION 'outbox.replay: % must be a list, not an array of more dimensions',
+                        CASE WHEN array_ndims(streams) > 1 THEN 'streams'
+                             WHEN array_ndims(aggregate_types) > 1 THEN 'aggregate_types' ELSE 'event_ids' END
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass a one-dimensional array, e.g. ARRAY[''a'', ''b''].';
     END IF;
     IF until IS NOT NULL AND until <= since THEN
         RAISE EXCEPTION 'outbox.replay: the range [%, %) is empty', since, until
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass an until later than since, or none.';
     END IF;
-    IF to_stream IS NOT NULL AND (to_stream = '' OR octet_length(to_stream) > 512) THEN
+    IF to_stream IS NOT NULL AND (btrim(to_stream) = '' OR octet_length(to_stream) > 512) THEN
         RAISE EXCEPTION 'outbox.replay: to_stream must be a Redis key of 1 to 512 bytes (got % bytes)', octet_length(to_stream)
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass the stream to send the events to, or NULL for their own.';
     END IF;
@@ -1525,8 +1537,18 @@ BEGIN
         RAISE EXCEPTION 'outbox.replay: streams must list keys or patterns, none of them empty or NULL (got %)', streams
             USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every stream.';
     END IF;
+    -- An element is a comma-separated list of patterns (as outbox.allowed_streams): one whose
+    -- patterns are all blank selects nothing.
+    IF NOT exact_streams AND EXISTS (SELECT 1 FROM unnest(streams) s
+                                      WHERE NOT EXISTS (SELECT 1 FROM unnest(string_to_array(s, ',')) p
+                                                         WHERE btrim(p) <> '')) THEN
+        RAISE EXCEPTION 'outbox.replay: streams must list keys or patterns, none of them blank (got %)', streams
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL for every stream.';
+    END IF;
     -- A pattern's backslash escapes the next character; one that ends the pattern escapes nothing.
-    SELECT s INTO unfinished_pattern FROM unnest(streams) s WHERE NOT exact_streams AND s ~ '(^|[^\\])(\\\\)*\\$' LIMIT 1;
+    SELECT btrim(p) INTO unfinished_pattern
+      FROM unnest(streams) s, unnest(string_to_array(s, ',')) p
+     WHERE NOT exact_streams AND btrim(p) ~ '(^|[^\\])(\\\\)*\\$' LIMIT 1;
     IF unfinished_pattern IS NOT NULL THEN
         RAISE EXCEPTION 'outbox.replay: the stream pattern % ends in a backslash that escapes nothing', unfinished_pattern
             USING ERRCODE = 'invalid_parameter_value',
@@ -1861,6 +1883,12 @@ BEGIN
             RAISE EXCEPTION 'outbox.repair_losses: losses must list loss ids (got %)', losses
                 USING ERRCODE = 'invalid_parameter_value',
                       HINT = 'Pass NULL (or nothing) to repair every loss not repaired yet; the ids are in outbox.redis_losses.';
+        END IF;
+        IF array_ndims(losses) > 1 THEN
+            RAISE EXCEPTION 'outbox.repair_losses: losses must be a list, not an array of % dimensions (got %)',
+                            array_ndims(losses), losses
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Pass the ids of outbox.redis_losses as one list, e.g. ARRAY[1, 2], or nothing for every loss.';
         END IF;
         IF array_position(losses, NULL) IS NOT NULL THEN
             RAISE EXCEPTION 'outbox.repair_losses: losses must not hold NULL (got %)', losses

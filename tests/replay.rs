@@ -211,6 +211,15 @@ fn replay_refuses_a_range_retention_removed_and_bad_arguments() {
         ("SELECT outbox.replay(now(), event_ids => '{}')", "22023"),
         ("SELECT outbox.replay(now(), aggregate_types => '{}')", "22023"),
         (r"SELECT outbox.replay(now(), streams => ARRAY['outbox:a\'])", "22023"),
+        (r"SELECT outbox.replay(now(), streams => ARRAY['outbox:a\,outbox:b'])", "22023"),
+        ("SELECT outbox.replay(now(), streams => ARRAY[' ', ','])", "22023"),
+        ("SELECT outbox.replay(now() + interval '1 day')", "22023"),
+        ("SELECT outbox.replay(now(), published_since => now() + interval '1 year')", "22023"),
+        ("SELECT outbox.replay(now(), to_stream => ' ')", "22023"),
+        ("SELECT outbox.replay(now(), event_ids => '{{00000000-0000-0000-0000-000000000001}}')", "22023"),
+        ("SELECT outbox.repair_losses('{{1},{2}}')", "22023"),
+        ("SELECT outbox.retry_failed('{{1},{2}}')", "22023"),
+        ("SELECT outbox.skip_failed('{{1},{2}}')", "22023"),
     ] {
         let error = client.query_one(sql, &[]).unwrap_err();
         let db = error.as_db_error().expect("a database error");

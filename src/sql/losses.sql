@@ -98,6 +98,12 @@ BEGIN
                 USING ERRCODE = 'invalid_parameter_value',
                       HINT = 'Pass NULL (or nothing) to repair every loss not repaired yet; the ids are in outbox.redis_losses.';
         END IF;
+        IF array_ndims(losses) > 1 THEN
+            RAISE EXCEPTION 'outbox.repair_losses: losses must be a list, not an array of % dimensions (got %)',
+                            array_ndims(losses), losses
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Pass the ids of outbox.redis_losses as one list, e.g. ARRAY[1, 2], or nothing for every loss.';
+        END IF;
         IF array_position(losses, NULL) IS NOT NULL THEN
             RAISE EXCEPTION 'outbox.repair_losses: losses must not hold NULL (got %)', losses
                 USING ERRCODE = 'null_value_not_allowed', HINT = 'Pass the ids of outbox.redis_losses to repair.';

@@ -78,8 +78,9 @@ COMMENT ON VIEW outbox.messages IS
 -- -------------------------------------------------------------------------------------------------
 -- outbox._check_event_ids(caller, ids, hint)
 --
---     Refuses a list of outbox.messages ids that cannot name an event: empty (22023; NULL itself
---     is the caller's to allow), holding a NULL (22004) or an id below 1 (22023).
+--     Refuses a list of outbox.messages ids that cannot name an event: empty or of more than one
+--     dimension (22023; NULL itself is the caller's to allow), holding a NULL (22004) or an id
+--     below 1 (22023).
 --
 -- Parameters:
 --     caller  the function checked, for the message
@@ -100,6 +101,10 @@ BEGIN
         RAISE EXCEPTION '%: ids is empty: it names no event', caller
             USING ERRCODE = 'invalid_parameter_value', HINT = hint;
     END IF;
+    IF array_ndims(ids) > 1 THEN
+        RAISE EXCEPTION '%: ids must be a list, not an array of % dimensions (got %)', caller, array_ndims(ids), ids
+            USING ERRCODE = 'invalid_parameter_value', HINT = hint;
+    END IF;
     IF array_position(ids, NULL) IS NOT NULL THEN
         RAISE EXCEPTION '%: ids holds a NULL (got %)', caller, ids
             USING ERRCODE = 'null_value_not_allowed', HINT = hint;
@@ -113,7 +118,7 @@ END
 $fn$;
 
 COMMENT ON FUNCTION outbox._check_event_ids(text, bigint[], text) IS
-    'Internal: refuses an empty list of event ids, a NULL in it, or an id below 1';
+    'Internal: refuses an empty or multidimensional list of event ids, a NULL in it, or an id below 1';
 
 -- -------------------------------------------------------------------------------------------------
 -- outbox.retry_failed(ids)
