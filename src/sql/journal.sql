@@ -37,10 +37,13 @@ BEGIN
         EXECUTE format($c$COMMENT ON TABLE outbox.journal_%1$s IS
             'outbox_pg: what each round published while log table %1$s was current (read it through outbox.journal)'$c$,
             generation);
-        EXECUTE format('SELECT pg_catalog.pg_extension_config_dump(''outbox.journal_%1$s'', '''')', generation);
     END LOOP;
 END
 $tables$;
+-- Top-level statements, as in schema.sql: the SQL-only install (scripts/sql.py) leaves them out.
+SELECT pg_catalog.pg_extension_config_dump('outbox.journal_0', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.journal_1', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.journal_2', '');
 
 CREATE VIEW outbox.journal AS
 SELECT 0::smallint AS generation, j.* FROM outbox.journal_0 j
