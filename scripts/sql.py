@@ -11,10 +11,16 @@
   committed sql/outbox_pg--FROM--TO.sql).
 - `check`: fails when a committed upgrade script into the version under development (Cargo.toml's)
   differs from what `upgrade` makes of the current files; `write` writes it.
+- `sql-only [--pg-tle]`: the install for servers that cannot load the library (docs/sql-only.md),
+  made of the same src/sql/ files: what needs the library (the `LANGUAGE c` functions, the Rust
+  ones pgrx declares) comes from src/sql/sql_only/ in SQL and PL/pgSQL, and what only means
+  something inside CREATE EXTENSION (`pg_extension_config_dump`) is left out of the plain script.
+  `--pg-tle`: the same SQL as the body of a `pgtle.install_extension` call (which keeps the
+  `pg_extension_config_dump` statements: pg_tle runs the body as CREATE EXTENSION does).
 
 Statements are split the way PostgreSQL's lexer splits them (comments, quoted strings and
 identifiers, dollar quotes); each keeps the comment lines right above it.
-Usage: python3 scripts/sql.py upgrade FROM TO | check | write
+Usage: python3 scripts/sql.py upgrade FROM TO | check | write | sql-only [--pg-tle]
 """
 
 import os
@@ -206,6 +212,99 @@ def upgrade_target():
     return from_version, to_version, os.path.join(ROOT, "sql", f"outbox_pg--{from_version}--{to_version}.sql")
 
 
+SQL_ONLY_DIR = os.path.join(ROOT, "src", "sql", "sql_only")
+FUNCTION_NAME = re.compile(r"^CREATE\s+(?:OR\s+REPLACE\s+)?FUNCTION\s+([\w@.\"]+)\s*\(", re.I)
+# Functions of these languages need the library or a superuser (LANGUAGE internal).
+C_LANGUAGE = re.compile(r"\bLANGUAGE\s+(c|internal)\b", re.I)
+CONFIG_DUMP = re.compile(r"^SELECT\s+pg_catalog\.pg_extension_config_dump\s*\(", re.I)
+# The schema outbox_enqueue and outbox_mark_processed live in (CREATE EXTENSION's @extschema@).
+SQL_ONLY_SCHEMA = "public"
+# The C and internal functions of the install that src/sql/sql_only/ replaces in place (the others
+# are the Rust functions pgrx declares, which src/sql/ only comments and grants).
+REPLACED = {"@extschema@.outbox_enqueue", "outbox._log_pending", "outbox._raw_size"}
+
+
+def sql_only_statements(pg_tle):
+    """The SQL-only install as (source file, statement) pairs: the install's files in src/lib.rs's
+    order, where each `LANGUAGE c` or `internal` function is replaced by the src/sql/sql_only/ function of the
+    same name, and the other src/sql/sql_only/ statements (the Rust functions' replacements and
+    their helpers) come right after the bootstrap file, before anything that could call them."""
+    replacements, extra = {}, []
+    for name in sorted(os.listdir(SQL_ONLY_DIR)):
+        if not name.endswith(".sql"):
+            continue
+        path = os.path.join(SQL_ONLY_DIR, name)
+        with open(path) as f:
+            for st in statements(f.read()):
+                match = FUNCTION_NAME.match(strip_comments(st))
+                if match and match.group(1) in REPLACED:
+                    replacements[match.group(1)] = (path, st)
+                else:
+                    extra.append((path, st))
+    out, used = [], set()
+    for index, path in enumerate(install_files()):
+        with open(path) as f:
+            for st in statements(f.read()):
+                body = strip_comments(st)
+                match = FUNCTION_NAME.match(body)
+                if match and C_LANGUAGE.search(body):
+                    name = match.group(1)
+                    if name not in replacements:
+                        raise SystemExit(f"sql.py: {name} is a C or internal function and src/sql/sql_only/ has no replacement for it")
+                    out.append(replacements[name])
+                    used.add(name)
+                elif CONFIG_DUMP.match(body) and not pg_tle:
+                    continue
+                else:
+                    out.append((path, st))
+        if index == 0:
+            out.extend(extra)
+    unused = set(replacements) - used
+    if unused:
+        raise SystemExit(f"sql.py: src/sql/sql_only/ replaces functions the install no longer has: {sorted(unused)}")
+    return out
+
+
+
+
+def sql_only_body(pg_tle=False):
+    """The SQL-only install's statements as one text, @extschema@ resolved to SQL_ONLY_SCHEMA."""
+    parts, last = [], None
+    for path, st in sql_only_statements(pg_tle):
+        if path != last:
+            parts.append(f"\n-- {os.path.relpath(path, ROOT)}")
+            last = path
+        parts.append(st.strip("\n") + "\n")
+    return "\n".join(parts).replace("@extschema@", SQL_ONLY_SCHEMA).lstrip("\n")
+
+
+PG_TLE_TAG = "$_outbox_pg_tle_$"
+
+
+def sql_only(pg_tle):
+    body = sql_only_body(pg_tle)
+    head = [
+        f"-- outbox_pg {version()}, SQL-only install (docs/sql-only.md), made by `bash scripts/sql-only.sh"
+        + (" --pg-tle`" if pg_tle else "`") + " from src/sql/.",
+        "-- Run it as the database owner (CREATE on the database, CREATEROLE), no superuser needed.",
+    ]
+    if pg_tle:
+        if PG_TLE_TAG in body:
+            raise SystemExit(f"sql.py: the install's SQL contains {PG_TLE_TAG}, the pg_tle body's quote")
+        head.append("-- Registers it with pg_tle (a pgtle_admin member runs this), then: CREATE EXTENSION outbox_pg;")
+        return ("\n".join(head) + "\n"
+                + f"SELECT pgtle.install_extension(\n    'outbox_pg',\n    '{version()}',\n"
+                + "    'Transactional outbox relayed to Redis Streams (SQL-only: no library)',\n"
+                + f"{PG_TLE_TAG}\n{body}{PG_TLE_TAG},\n    '{{}}'::text[]\n);\n")
+    head.append("-- psql -v ON_ERROR_STOP=1 -f outbox_pg.sql: one transaction; an error leaves nothing behind.")
+    # What CREATE EXTENSION sets around its script (extension.c, execute_extension_script): function
+    # bodies are checked when they run, not when created (the files create them in an order where a
+    # function may name one created later), and the extension's schema is the search_path.
+    setup = ("SET LOCAL check_function_bodies = off;\nSET LOCAL client_min_messages = warning;\n"
+             f"SET LOCAL search_path = {SQL_ONLY_SCHEMA};\n")
+    return "\n".join(head) + "\n\\set ON_ERROR_STOP on\nBEGIN;\n" + setup + "\n" + body + "\nCOMMIT;\n"
+
+
 def main(args):
     if args[:1] == ["upgrade"] and len(args) == 3:
         sys.stdout.write(upgrade(args[1], args[2]))
@@ -221,6 +320,8 @@ def main(args):
             if committed != made:
                 sys.exit(f"sql.py: {os.path.relpath(path, ROOT)} differs from what `python3 scripts/sql.py write` makes "
                          "of src/sql/ and its hand-written part: run it and commit the result")
+    elif args[:1] == ["sql-only"] and args[1:] in ([], ["--pg-tle"]):
+        sys.stdout.write(sql_only(args[1:] == ["--pg-tle"]))
     else:
         sys.exit(__doc__.strip().split("\n")[-1])
 
