@@ -446,7 +446,7 @@ BEGIN
     END IF;
     patterns := outbox._allowed_streams();
     IF NOT '*' = ANY (SELECT outbox._trim_whitespace(p) FROM unnest(string_to_array(patterns, ',')) p) THEN
-        template := coalesce(current_setting('outbox.stream', true), 'outbox:{aggregate_type}');
+        template := coalesce(nullif(current_setting('outbox.stream', true), ''), 'outbox:{aggregate_type}');
         key := coalesce(stream, array_to_string(ARRAY(
                    SELECT replace(part, '{event_type}', event_type)
                      FROM unnest(string_to_array(template, '{aggregate_type}')) WITH ORDINALITY AS t(part, n) ORDER BY n),

@@ -145,10 +145,11 @@ COMMENT ON FUNCTION outbox._trim_whitespace(text) IS
 COMMENT ON FUNCTION outbox._stream_allowed(text, text) IS
     'Internal (SQL-only install): whether a stream key matches one of outbox.allowed_streams'' glob patterns';
 
--- outbox.allowed_streams as outbox_enqueue reads it: its default, '*', when not set.
+-- outbox.allowed_streams as outbox_enqueue reads it: its default, '*', when not set. A placeholder
+-- setting reads '' once a transaction that set it has ended, so '' is taken as not set too.
 CREATE FUNCTION outbox._allowed_streams() RETURNS text
 LANGUAGE sql STABLE PARALLEL SAFE
-AS $fn$ SELECT coalesce(pg_catalog.current_setting('outbox.allowed_streams', true), '*') $fn$;
+AS $fn$ SELECT coalesce(NULLIF(pg_catalog.current_setting('outbox.allowed_streams', true), ''), '*') $fn$;
 COMMENT ON FUNCTION outbox._allowed_streams() IS
     'Internal (SQL-only install): outbox.allowed_streams, ''*'' when not set';
 
