@@ -296,7 +296,7 @@ def sql_only(pg_tle):
                 + f"SELECT pgtle.install_extension(\n    'outbox_pg',\n    '{version()}',\n"
                 + "    'Transactional outbox relayed to Redis Streams (SQL-only: no library)',\n"
                 + f"{PG_TLE_TAG}\n{body}{PG_TLE_TAG},\n    '{{}}'::text[]\n);\n")
-    head.append("-- psql -v ON_ERROR_STOP=1 -f outbox_pg.sql: one transaction; an error leaves nothing behind.")
+    head.append("-- psql -d DATABASE -f outbox_pg.sql: one transaction, stopping at the first error, which leaves nothing behind.")
     # What CREATE EXTENSION sets around its script (extension.c, execute_extension_script): function
     # bodies are checked when they run, not when created (the files create them in an order where a
     # function may name one created later), and the extension's schema is the search_path.
