@@ -4,8 +4,9 @@
 //! Held against the extension (CREATE EXTENSION outbox_pg on a server that preloads it, its relay
 //! paused so that events stay where enqueue put them): the same events and health after a commit
 //! and a rollback, the same refusals for README's bad-input table (SQLSTATE, message and hint),
-//! the same shards and order-lock keys, the same objects (functions, columns, privileges). The
-//! pg_tle variant's body is the same SQL, and installs as an extension script run by the owner.
+//! the same shards and order-lock keys, the same order-lock cap, the same objects (functions,
+//! columns, privileges). A second run of the script stops and changes nothing. The pg_tle
+//! variant's body is the same SQL, and installs as an extension script run by the owner.
 
 mod common;
 
@@ -40,7 +41,7 @@ fn connect_as(pg: &Cluster, database: &str, user: &str) -> postgres::Client {
 /// SQL-only install run there by that role with psql, and a writer it made.
 struct SqlOnly {
     pg: Cluster,
-    _files: TempDir,
+    files: TempDir,
 }
 
 const DATABASE: &str = "app";
@@ -57,7 +58,7 @@ impl SqlOnly {
         install_with_psql(&pg, files.path(), DATABASE, OWNER);
         let mut owner = connect_as(&pg, DATABASE, OWNER);
         owner.batch_execute(&format!("CREATE ROLE {WRITER} LOGIN IN ROLE outbox_writer")).unwrap();
-        SqlOnly { pg, _files: files }
+        SqlOnly { pg, files }
     }
 }
 
@@ -524,4 +525,68 @@ fn the_pg_tle_body_installs_as_an_extension_script_run_by_the_owner() {
     // The plain install and the extension made of the same body hold the same objects.
     let plain = objects(&mut connect_as(&only.pg, DATABASE, OWNER));
     assert_eq!(objects(&mut owner), plain);
+}
+
+/// The order-lock cap as the extension keeps it: a transaction holds at most 256 order locks, a
+/// rolled-back subtransaction's locks no longer count, and past the cap the transaction keeps
+/// `outbox.forget_aggregates` out (`outbox._exclude_transactions_past_the_cap()` is false for
+/// others while it runs). Each step's (locks held, others may forget) in both installs.
+fn cap_steps(bulk: &mut postgres::Client, admin: &mut postgres::Client) -> Vec<(i64, bool)> {
+    let held = "SELECT count(*) FROM pg_locks WHERE pid = pg_backend_pid() AND locktype IN ('advisory', 'userlock')
+                   AND objsubid = 2 AND mode = 'ExclusiveLock'";
+    let enqueue = |from: i32, to: i32| {
+        format!("SELECT count(outbox_enqueue('cap', n::text, 'e', '{{}}')) FROM generate_series({from}, {to}) n")
+    };
+    let mut steps = Vec::new();
+    let mut tx = bulk.transaction().unwrap();
+    for step in [
+        enqueue(1, 250),
+        format!("SAVEPOINT s; {}; ROLLBACK TO SAVEPOINT s", enqueue(251, 270)),
+        enqueue(271, 276),
+        // Aggregates it holds already take no further lock.
+        enqueue(1, 10),
+        enqueue(277, 277),
+        enqueue(278, 300),
+    ] {
+        tx.batch_execute(&step).unwrap();
+        let locks: i64 = tx.query_one(held, &[]).unwrap().get(0);
+        let may_forget: bool =
+            admin.query_one("SELECT outbox._exclude_transactions_past_the_cap()", &[]).unwrap().get(0);
+        steps.push((locks, may_forget));
+    }
+    tx.rollback().unwrap();
+    let may_forget: bool = admin.query_one("SELECT outbox._exclude_transactions_past_the_cap()", &[]).unwrap().get(0);
+    steps.push((0, may_forget));
+    steps
+}
+
+#[test]
+fn the_order_lock_cap_is_kept_as_in_the_extension() {
+    let ext = extension_cluster();
+    let only = SqlOnly::start();
+    let theirs = cap_steps(&mut ext.connect(), &mut ext.connect());
+    let ours = cap_steps(&mut connect_as(&only.pg, DATABASE, WRITER), &mut connect_as(&only.pg, DATABASE, OWNER));
+    assert_eq!(theirs, [(250, true), (250, true), (256, true), (256, true), (256, false), (256, false), (0, true)]);
+    assert_eq!(ours, theirs);
+}
+
+/// Run a second time, the script stops at its first error (the schema exists) and changes nothing.
+#[test]
+fn a_second_run_of_the_script_stops_and_changes_nothing() {
+    let only = SqlOnly::start();
+    let mut writer = connect_as(&only.pg, DATABASE, WRITER);
+    writer.batch_execute("SELECT outbox_enqueue('payment', '42', 'e', '{}')").unwrap();
+    let path = only.files.path().join("outbox_pg.sql");
+    let out = pg_command("psql")
+        .args(["-X", "-q", "-h", "127.0.0.1", "-p", &only.pg.port.to_string(), "-U", OWNER, "-d", DATABASE, "-f"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "psql's exit status for a script stopped by an error: {stderr}");
+    assert!(stderr.contains("schema \"outbox\" already exists"), "{stderr}");
+    assert_eq!(stderr.matches("ERROR").count(), 1, "{stderr}");
+    let count: i64 =
+        connect_as(&only.pg, DATABASE, OWNER).query_one("SELECT count(*) FROM outbox.messages", &[]).unwrap().get(0);
+    assert_eq!(count, 1);
 }
