@@ -577,6 +577,11 @@ fn unadopted_copies_take_no_entry_from_databases_that_publish() {
         said.filter(|s| s.contains("has no relay and publishes nothing until SELECT outbox.adopt_copy()")).map(|_| ())
     });
     drop(cp2);
+    // Said once as a WARNING, however many rescans probed it again (one per copy per CREATE
+    // DATABASE or CREATE EXTENSION, before).
+    let warned =
+        pg.log().lines().filter(|l| l.contains("WARNING") && l.contains("database \"cp2\" holds a copy")).count();
+    assert_eq!(warned, 1, "{}", pg.log());
     // An unadopted copy accepts events; they wait for its adoption.
     let mut cp1 = pg.connect_to("cp1");
     enqueue(&mut cp1, "cp1", 1);

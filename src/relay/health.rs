@@ -33,11 +33,13 @@ pub struct HealthLog {
     /// So that a reload pointing at another (also broken) Redis is reported as a new outage
     /// rather than swallowed as the same one.
     outage_target: Option<String>,
+    /// An earlier relay already said (a WARNING) that this database is an unadopted copy.
+    copy_reported: bool,
 }
 
 impl HealthLog {
-    pub fn new() -> HealthLog {
-        HealthLog { health: Health::Healthy, outage_target: None }
+    pub fn new(copy_reported: bool) -> HealthLog {
+        HealthLog { health: Health::Healthy, outage_target: None, copy_reported }
     }
 
     /// Logs transitions only: a Redis outage produces one WARNING when it starts and one LOG when
@@ -101,10 +103,14 @@ impl HealthLog {
                     database
                 );
                 shared::set_last_error(&problem);
-                warning!(
-                    "outbox_pg: {problem}; point it at streams of its own (ALTER DATABASE \"{}\" SET outbox.stream = ...), then run SELECT outbox.adopt_copy() in it",
-                    database
-                )
+                let advice = format!(
+                    "point it at streams of its own (ALTER DATABASE \"{database}\" SET outbox.stream = ...), then run SELECT outbox.adopt_copy() in it"
+                );
+                if self.copy_reported {
+                    log!("outbox_pg: {problem} (still); {advice}")
+                } else {
+                    warning!("outbox_pg: {problem}; {advice}")
+                }
             }
             Health::Disabled => log!("outbox_pg: outbox.enabled is off; the relay is paused, events stay pending"),
         }

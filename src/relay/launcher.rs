@@ -61,7 +61,9 @@ enum Database {
     /// A probe found no outbox_pg, or an unadopted copy of another database's (which publishes
     /// nothing, so takes no entry from a database that would); looked at again once the rescan
     /// generation moves past this (`CREATE EXTENSION`, `CREATE DATABASE`, `adopt_copy()`, a reload).
-    WithoutExtension { generation: u32 },
+    /// `copy`: the last probe found an unadopted copy, whose relay already said so (a WARNING):
+    /// the next probe's relay says it again only as a LOG line.
+    WithoutExtension { generation: u32, copy: bool },
 }
 
 struct Served {
@@ -71,6 +73,8 @@ struct Served {
     /// The rescan generation when the probe started: a `CREATE EXTENSION` committed after it may
     /// not have been seen by it.
     probed_at_generation: u32,
+    /// The database was an unadopted copy at the last probe, and its relay said so then.
+    copy_reported: bool,
 }
 
 /// A database as listed in `pg_database`.
@@ -112,7 +116,13 @@ pub extern "C-unwind" fn outbox_pg_launcher_main(_arg: pg_sys::Datum) {
         let slots = (0..shared::MAX_RELAYS).map(|_| Slot::idle()).collect();
         launcher.databases.insert(
             oid,
-            Database::Served(Served { entry, name: format!("oid {}", oid.to_u32()), slots, probed_at_generation: 0 }),
+            Database::Served(Served {
+                entry,
+                name: format!("oid {}", oid.to_u32()),
+                slots,
+                probed_at_generation: 0,
+                copy_reported: false,
+            }),
         );
     }
 
@@ -214,8 +224,8 @@ impl Launcher {
             let state = self
                 .databases
                 .entry(oid)
-                .or_insert(Database::WithoutExtension { generation: generation.wrapping_sub(1) });
-            if let Database::WithoutExtension { generation: seen } = state {
+                .or_insert(Database::WithoutExtension { generation: generation.wrapping_sub(1), copy: false });
+            if let Database::WithoutExtension { generation: seen, copy } = state {
                 if *seen == generation {
                     continue;
                 }
@@ -225,8 +235,14 @@ impl Launcher {
                     continue;
                 };
                 let slots = (0..shared::MAX_RELAYS).map(|_| Slot::idle()).collect();
-                *state =
-                    Database::Served(Served { entry, name: db.name.clone(), slots, probed_at_generation: generation });
+                let copy_reported = *copy;
+                *state = Database::Served(Served {
+                    entry,
+                    name: db.name.clone(),
+                    slots,
+                    probed_at_generation: generation,
+                    copy_reported,
+                });
             }
             let Database::Served(served) = state else { continue };
             served.name.clone_from(&db.name);
@@ -234,8 +250,9 @@ impl Launcher {
                 Ok(wait) => timeout = timeout.min(wait),
                 Err(probed_at) => {
                     // No outbox_pg there: free the entry until a rescan.
+                    let copy = matches!(shared::extension_state(served.entry), ExtensionState::Copy);
                     shared::release_entry(served.entry);
-                    *state = Database::WithoutExtension { generation: probed_at };
+                    *state = Database::WithoutExtension { generation: probed_at, copy };
                     timeout = Duration::ZERO;
                 }
             }
@@ -318,7 +335,7 @@ impl Served {
                         timeout = timeout.min(RELAUNCH_DELAY);
                         continue;
                     }
-                    match start_relay(oid, &self.name, index) {
+                    match start_relay(oid, &self.name, index, self.copy_reported) {
                         Some(handle) => {
                             if *failed_start {
                                 log!("outbox_pg launcher: started relay {index} of database \"{}\"", self.name);
@@ -413,7 +430,15 @@ fn list_databases() -> Vec<Listed> {
     })
 }
 
-fn start_relay(database_oid: pg_sys::Oid, database: &str, slot: usize) -> Option<DynamicBackgroundWorker> {
+/// Starts relay `slot` of a database; `copy_reported`: it was an unadopted copy at the last probe,
+/// and was told so (the relay then says it again in a LOG line, not a WARNING: every rescan probes
+/// each copy, and the WARNING filled logs with one line per copy per `CREATE DATABASE`).
+fn start_relay(
+    database_oid: pg_sys::Oid,
+    database: &str,
+    slot: usize,
+    copy_reported: bool,
+) -> Option<DynamicBackgroundWorker> {
     // SAFETY: MyProcPid is set for every backend.
     let launcher_pid = unsafe { pg_sys::MyProcPid };
     // bgw_name holds 96 bytes; pg_stat_activity shows it as backend_type's detail.
@@ -434,7 +459,7 @@ fn start_relay(database_oid: pg_sys::Oid, database: &str, slot: usize) -> Option
         // The launcher restarts it; the postmaster must not.
         .set_restart_time(None)
         .set_argument(Some(pg_sys::Datum::from(u32::from(database_oid))))
-        .set_extra(&slot.to_string())
+        .set_extra(&format!("{slot}{}", if copy_reported { " copy-reported" } else { "" }))
         .set_notify_pid(launcher_pid)
         .load_dynamic()
         .ok()

@@ -112,7 +112,11 @@ struct Relay {
 pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
     let database_oid = pg_sys::Oid::from(arg.value() as u32);
-    let slot = BackgroundWorker::get_extra().parse::<usize>().unwrap_or(0).min(shared::MAX_RELAYS - 1);
+    // "<slot>", or "<slot> copy-reported" (src/relay/launcher.rs, start_relay).
+    let extra = BackgroundWorker::get_extra();
+    let mut words = extra.split_whitespace();
+    let slot = words.next().and_then(|w| w.parse::<usize>().ok()).unwrap_or(0).min(shared::MAX_RELAYS - 1);
+    let copy_reported = words.any(|w| w == "copy-reported");
     BackgroundWorker::connect_worker_to_spi_by_oid(Some(database_oid), None);
     // Before the first statement: the database's own settings (its search_path among them) were
     // applied by the connection, and must not choose what the relay's statements run.
@@ -158,7 +162,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
         state: RoundState::default(),
         flight: None,
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
-        health: HealthLog::new(),
+        health: HealthLog::new(copy_reported),
         retry_at: None,
         database,
         shards_held: 0,
