@@ -31,6 +31,16 @@ fn live_entries(redis: &Redis, stream: &str) -> HashMap<String, String> {
     redis.entries(stream).into_iter().map(|e| (e["event_id"].clone(), e["aggregate_seq"].clone())).collect()
 }
 
+/// Records that Redis lost `stream` whole, as a relay's check does.
+fn record_lost_stream(client: &mut postgres::Client, stream: &str) {
+    client
+        .execute(
+            "INSERT INTO outbox.redis_losses (stream, expected_id, expected_at) VALUES ($1, '9999999999999-0', now())",
+            &[&stream],
+        )
+        .unwrap();
+}
+
 fn now(client: &mut postgres::Client) -> SystemTime {
     client.query_one("SELECT clock_timestamp()", &[]).unwrap().get(0)
 }
@@ -384,14 +394,8 @@ fn repairing_a_loss_replays_exactly_its_stream() {
     for (n, stream) in streams.iter().enumerate() {
         env.redis.wait_for_entries(stream, n + 1);
     }
-    // As the relays record a stream Redis lost whole.
     for stream in ["outbox:a*", r"outbox:x\y", "outbox:c,d"] {
-        client
-            .execute(
-                "INSERT INTO outbox.redis_losses (stream, expected_id, expected_at) VALUES ($1, '9999999999999-0', now())",
-                &[&stream],
-            )
-            .unwrap();
+        record_lost_stream(&mut client, stream);
     }
     let repairs: Vec<(String, i64)> = client
         .query(
@@ -435,12 +439,7 @@ fn a_repair_examines_only_the_rounds_that_wrote_to_the_lost_stream() {
     env.redis.wait_for_entries("tiny:x", 1);
     enqueue_busy(&mut client);
     env.redis.wait_for_entries("outbox:busy", 6000);
-    client
-        .execute(
-            "INSERT INTO outbox.redis_losses (stream, expected_id, expected_at) VALUES ('tiny:x', '9999999999999-0', now())",
-            &[],
-        )
-        .unwrap();
+    record_lost_stream(&mut client, "tiny:x");
     let replay: i64 = client.query_one("SELECT replay FROM outbox.repair_losses()", &[]).unwrap().get(0);
     let (replayed, filtered, missing, errors) = wait_replay_done(&mut client, replay);
     assert_eq!((replayed, filtered, missing, errors), (1, 0, 0, 0), "only tiny:x's round examined");
@@ -470,12 +469,7 @@ fn a_loss_under_an_earlier_stream_template_is_not_counted_repaired() {
         common::enqueue_to(&mut client, "probe", "1", None);
         (env.redis.xlen("new:probe") > 0).then_some(())
     });
-    client
-        .execute(
-            "INSERT INTO outbox.redis_losses (stream, expected_id, expected_at) VALUES ('old:gadget', '9999999999999-0', now())",
-            &[],
-        )
-        .unwrap();
+    record_lost_stream(&mut client, "old:gadget");
     let replay: i64 = client.query_one("SELECT replay FROM outbox.repair_losses()", &[]).unwrap().get(0);
     let (replayed, filtered, _, _) = wait_replay_done(&mut client, replay);
     assert!(replayed == 0 && filtered >= 8, "replayed {replayed}, filtered {filtered}");
