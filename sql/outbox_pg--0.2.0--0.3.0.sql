@@ -2125,6 +2125,7 @@ GRANT SELECT ON outbox.stats TO outbox_admin, pg_monitor;
 
 GRANT USAGE ON SCHEMA outbox TO pg_monitor;
 
+-- src/sql/api.sql
 COMMENT ON FUNCTION outbox.relay_pid() IS
     'Process id of a relay serving this database, NULL when none runs';
 

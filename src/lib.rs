@@ -52,8 +52,7 @@ static ALLOCATOR: allocator::ExitOnFailure = allocator::ExitOnFailure;
 // The install script, one file per concern, listed in the order an event goes. The data first
 // (bootstrap); every other file needs only the tables, since its PL/pgSQL is checked when it runs
 // and its SQL functions and views name only tables and what the same file made before; health
-// last, since its stats view reads a Rust function and the Rust functions get their privileges
-// and comments there.
+// after the Rust function its stats view reads; last, the Rust functions' comments and privileges.
 extension_sql_file!("sql/schema.sql", name = "schema", bootstrap);
 extension_sql_file!("sql/enqueue.sql", name = "enqueue", requires = ["schema"]);
 extension_sql_file!("sql/relay/claim.sql", name = "relay_claim", requires = ["schema"]);
@@ -68,7 +67,8 @@ extension_sql_file!("sql/operations.sql", name = "operations", requires = ["sche
 extension_sql_file!("sql/journal.sql", name = "journal", requires = ["schema"]);
 extension_sql_file!("sql/replay.sql", name = "replay", requires = ["journal"]);
 extension_sql_file!("sql/losses.sql", name = "losses", requires = ["replay"]);
-extension_sql_file!("sql/health.sql", name = "health", finalize);
+extension_sql_file!("sql/health.sql", name = "health", requires = ["losses", api::outbox::relay_status]);
+extension_sql_file!("sql/api.sql", name = "api", finalize);
 // Functions only tests call, in schema tests: in the test build alone, never in a production install.
 #[cfg(any(test, feature = "pg_test"))]
 extension_sql_file!("sql/test_helpers.sql", name = "test_helpers");
