@@ -351,7 +351,8 @@ fn a_backlog_over_many_aggregates_is_published_to_its_end_without_waiting_for_a_
 /// recorded snapshot to bound it. Meant for the window's last part on a kept claim; here the idle
 /// shards lag behind newer snapshots, the claims stay bounded and are not kept, and the test
 /// passes with or without that fix (the drain benchmark showed the wait): it guards the path's
-/// order and completeness.
+/// order and completeness, and the rule itself is held by the unit test
+/// the_last_part_of_a_window_in_parts_sends_the_relay_straight_back (src/relay/publish.rs).
 #[test]
 fn a_backlog_of_one_aggregate_is_published_to_its_end_without_waiting_for_a_poll() {
     drain_a_paused_backlog(1, 2, 1, 15_000, false);

@@ -200,7 +200,7 @@ pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) 
 mod tests {
     use super::{deferred_by_stream_change, next_pipeline, PipelineLimits, Source};
     use crate::event::OutboxEvent;
-    use crate::relay::read::{allowance_order, distinct_aggregates, shards_to_read};
+    use crate::relay::read::{allowance_order, distinct_aggregates, shards_to_read, AfterRead, ShardClaim, ShardRead};
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
         OutboxEvent {
@@ -249,6 +249,29 @@ mod tests {
         assert_eq!(given_back, 0b0000_0011);
         // Kept and flagged: read; kept and not flagged: not read.
         assert_eq!(shards_to_read(0b0110, 0b0100, 0b0110), (0b0100, 0));
+    }
+
+    #[test]
+    fn the_last_part_of_a_window_in_parts_sends_the_relay_straight_back() {
+        let going_on = ShardClaim { bounded: false, in_parts: true, idle_long: false };
+        // The last part: the window's end is stored, and more may have been committed after it
+        // (a window begun at a recorded snapshot), which a kept claim would not read.
+        let last = AfterRead::of(&going_on, &ShardRead { events: true, complete: true, reached: false });
+        assert_eq!(last, AfterRead { advance: true, more: true });
+        // A part before the last stores its position and says more.
+        let middle = AfterRead::of(&going_on, &ShardRead { events: true, complete: false, reached: true });
+        assert_eq!(middle, AfterRead { advance: true, more: true });
+        // A window that fits, read whole: nothing more from this shard.
+        let whole = ShardClaim { bounded: false, in_parts: false, idle_long: false };
+        let read = AfterRead::of(&whole, &ShardRead { events: true, complete: true, reached: false });
+        assert_eq!(read, AfterRead { advance: true, more: false });
+        // A lagging shard steps over an empty window to its recorded snapshot.
+        let lagging = ShardClaim { bounded: true, in_parts: false, idle_long: false };
+        let empty = AfterRead::of(&lagging, &ShardRead { events: false, complete: true, reached: false });
+        assert_eq!(empty, AfterRead { advance: true, more: false });
+        // An idle shard's cursor moves only now and then.
+        let idle = AfterRead::of(&whole, &ShardRead { events: false, complete: true, reached: false });
+        assert_eq!(idle, AfterRead { advance: false, more: false });
     }
 
     #[test]

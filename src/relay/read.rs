@@ -159,6 +159,53 @@ pub fn allowance_order(shard: i16, in_parts: bool, first: i16) -> (bool, i16) {
     (in_parts, (shard - first).rem_euclid(shards))
 }
 
+/// A claimed shard as the rule below needs it.
+pub struct ShardClaim {
+    /// It reads up to a recorded snapshot: the shard lags.
+    pub bounded: bool,
+    /// It goes on with a window published in parts, from a stored position.
+    pub in_parts: bool,
+    /// A full read, of a shard whose cursor has not moved for `IDLE_CURSOR_MOVE`.
+    pub idle_long: bool,
+}
+
+/// What a shard's read found.
+pub struct ShardRead {
+    /// Some events.
+    pub events: bool,
+    /// The end of the window: the cursor may move to its `upto`.
+    pub complete: bool,
+    /// A position in the window, where the next part begins.
+    pub reached: bool,
+}
+
+/// What a shard's read leaves the round.
+#[derive(Debug, PartialEq, Eq)]
+pub struct AfterRead {
+    /// The shard's cursor (or position) is stored by the finish.
+    pub advance: bool,
+    /// The next round follows at once and reads every shard.
+    pub more: bool,
+}
+
+impl AfterRead {
+    pub fn of(claim: &ShardClaim, read: &ShardRead) -> AfterRead {
+        // A lagging shard steps to its recorded snapshot even when that window is empty: its next
+        // window then starts from there.
+        let advance = read.events
+            || (read.complete && (claim.bounded || claim.in_parts))
+            || (read.complete && claim.idle_long)
+            || (!read.complete && !claim.in_parts && read.reached);
+        // A window published in parts may end at a recorded snapshot: the claim that began it
+        // found the shard lagging, and the rounds that went on with it see only the window (and a
+        // kept claim reads only flagged shards). So its last part says `more`, and the next round
+        // reads every shard at once; else what was committed after that snapshot waited for the
+        // next full read, a poll interval later.
+        let more = !read.complete || claim.in_parts;
+        AfterRead { advance, more }
+    }
+}
+
 /// Claims this relay's shards and reads a round: each shard's whole window (every event committed
 /// between its cursor and the claim's snapshot, or, for a shard more than a second behind, the
 /// next recorded snapshot, as much of it as a round takes; see "Rounds are bounded" and
@@ -368,18 +415,16 @@ fn read_windows(claimed: &[Claimed], full: bool, batch: &mut Batch, state: &mut 
         };
         let (cursor, upto) = (parse(&c.cursor), parse(&c.upto));
         let read = read_shard(c.shard, &cursor, &upto, c.position, &mut budget, &mut state.plans);
-        // A lagging shard steps to its recorded snapshot even when that window is empty:
-        // its next window then starts from there.
-        let advance = !read.events.is_empty()
-            || (read.complete && (c.bounded || c.position.is_some()))
-            || (read.complete && full && Duration::from_millis(c.age_ms as u64) >= IDLE_CURSOR_MOVE)
-            || (!read.complete && c.position.is_none() && read.position.is_some());
-        // A window published in parts may end at a recorded snapshot: the claim that began
-        // it found the shard lagging, and the rounds that went on with it see only the
-        // window (and a kept claim reads only flagged shards). So its last part says
-        // `more`, and the next round reads every shard at once; else what was committed
-        // after that snapshot waited for the next full read, a poll interval later.
-        batch.more |= !read.complete || c.position.is_some();
+        let outcome = AfterRead::of(
+            &ShardClaim {
+                bounded: c.bounded,
+                in_parts: c.position.is_some(),
+                idle_long: full && Duration::from_millis(c.age_ms as u64) >= IDLE_CURSOR_MOVE,
+            },
+            &ShardRead { events: !read.events.is_empty(), complete: read.complete, reached: read.position.is_some() },
+        );
+        let advance = outcome.advance;
+        batch.more |= outcome.more;
         if !read.complete && read.position.is_none() {
             // The round's allowance ran out before this shard: nothing of it was read and
             // no position is stored, so only a flag sends the next round (a read on the
