@@ -19,11 +19,9 @@ use std::ffi::CString;
 use std::os::raw::c_char;
 use std::time::Duration;
 
+use outbox_sink::redis::redact_url;
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use pgrx::{pg_sys, PostgresGucEnum};
-
-use crate::sink::redis::redact_url;
-pub use crate::sink::RedisMode;
 
 /// `outbox.redis_url` (default `redis://127.0.0.1:6379`, reload).
 static REDIS_URL: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"redis://127.0.0.1:6379"));
@@ -36,6 +34,18 @@ static REDIS_PASSWORD_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CS
 static REDIS_TLS_CA_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static REDIS_TLS_CERT_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 static REDIS_TLS_KEY_FILE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+
+/// How the relay finds Redis (`outbox.redis_mode`), as PostgreSQL lists the values; the relay's
+/// settings turn it into outbox_sink's `RedisMode` (a crate without pgrx).
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum RedisMode {
+    #[name = c"standalone"]
+    Standalone,
+    #[name = c"sentinel"]
+    Sentinel,
+    #[name = c"cluster"]
+    Cluster,
+}
 
 /// `outbox.redis_mode` (default `standalone`, reload).
 static REDIS_MODE: GucSetting<RedisMode> = GucSetting::<RedisMode>::new(RedisMode::Standalone);
@@ -811,7 +821,7 @@ unsafe extern "C-unwind" fn check_redis_url(
     }
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
     let Some(value) = (unsafe { proposed_value(newval) }) else { return true };
-    if !crate::sink::address::has_password(&value) {
+    if !outbox_sink::address::has_password(&value) {
         return true;
     }
     // SAFETY: as in check_string: palloc'd copies of static strings.
@@ -876,7 +886,7 @@ unsafe extern "C-unwind" fn check_cloudevents_source(
 ) -> bool {
     let hint = "Use a URI reference such as '/outbox/{database}/{aggregate_type}' or 'https://example.com/billing'.";
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
-    unsafe { check_string(newval, crate::sink::entry::check_source_template, Some(hint)) }
+    unsafe { check_string(newval, outbox_sink::entry::check_source_template, Some(hint)) }
 }
 
 /// Refuses an `outbox.traceparent` that is not a W3C traceparent of version 00 (empty unsets it).

@@ -7,8 +7,8 @@
 //!   what is undelivered, the `aggregate_seq` counters.
 //! - `relay`: the background workers: the launcher, each relay's loop, one round (claim, read,
 //!   publish, finish), housekeeping.
-//! - `sink`: the only code that speaks to Redis (topologies, the MULTI/EXEC exchange) and how an
-//!   event becomes a stream entry.
+//! - `outbox_sink` (the crate in `sink/`, without pgrx): the only code that speaks to Redis
+//!   (topologies, the MULTI/EXEC exchange) and how an event becomes a stream entry.
 //!
 //! And around them: `guc` (every `outbox.*` setting), `shared` (what backends and relays share in
 //! shared memory), `hooks` (catalog and utility hooks, the log redaction), `api` (the SQL-callable
@@ -23,7 +23,6 @@ use pgrx::prelude::*;
 mod allocator;
 mod api;
 mod enqueue;
-mod event;
 #[cfg(feature = "fault-injection")]
 mod faults;
 mod guc;
@@ -31,9 +30,6 @@ mod hooks;
 mod log;
 mod relay;
 mod shared;
-mod sink;
-
-pub use sink::entry::{render_stream_template, OutboxEvent};
 
 // PostgreSQL 15, 16, 17 and 18 are built and tested (README, "Installing"). pgrx declares every
 // version's feature, but 13 and 14 (end of life) are never built or tested: refuse them rather

@@ -1,4 +1,4 @@
-//! Loss detection (src/sink/marks.rs, src/relay/losses.rs) in the cases a review found it wrong:
+//! Loss detection (sink/src/marks.rs, src/relay/losses.rs) in the cases a review found it wrong:
 //! a stream deleted and written to again before any check had a baseline, the relay moved to
 //! another database of the same Redis, and a loss repair with two relays. Real PostgreSQL and
 //! redis-server; every check is forced by a new connection, not waited for.

@@ -171,7 +171,7 @@ fn check_stream(patterns: &str, aggregate_type: &str, event_type: &str, stream: 
     let template = guc::stream_template();
     let key = match stream {
         Some(stream) => stream.to_string(),
-        None => crate::render_stream_template(&template, aggregate_type, event_type),
+        None => outbox_sink::entry::render_stream_template(&template, aggregate_type, event_type),
     };
     if !streams::allowed(patterns, &key) {
         let source = if stream.is_some() {

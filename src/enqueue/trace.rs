@@ -3,7 +3,7 @@
 //! carry one, or else from `outbox.traceparent` and `outbox.tracestate`, which the application (or
 //! its driver's hook) sets with `SET LOCAL` in the enqueuing transaction. Either way it is checked
 //! (a bad one refuses the event with 22023, never drops it) and kept in the event's headers, where
-//! the relay finds it (src/sink/entry.rs) and writes it as entry fields of their own: the log needs
+//! the relay finds it (sink/src/entry.rs) and writes it as entry fields of their own: the log needs
 //! no column for it.
 
 use outbox_protocol::entry::{TRACEPARENT, TRACESTATE};

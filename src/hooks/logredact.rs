@@ -1,5 +1,5 @@
 //! Keeps Redis credentials out of the server log. The relay never logs a URL with its password
-//! (see `sink::redis::describe_target`), but PostgreSQL itself can: on every reload that changes a
+//! (outbox_sink's `describe_target`), but PostgreSQL itself can: on every reload that changes a
 //! setting, the postmaster logs `parameter "outbox.redis_url" changed to "<the raw value>"`; with
 //! `log_statement` a superuser's `ALTER SYSTEM SET outbox.redis_url = ...` is logged whole, and so
 //! is any statement that fails. An `emit_log_hook`, installed while preloading so that the
@@ -10,9 +10,8 @@
 use std::ffi::{CStr, CString};
 
 use outbox_protocol::redis_url;
+use outbox_sink::redis::redact_url;
 use pgrx::pg_sys;
-
-use crate::sink::redis::redact_url;
 
 static mut PREVIOUS_HOOK: pg_sys::emit_log_hook_type = None;
 

@@ -1,7 +1,7 @@
 //! What a round takes from the log, shared by the window rule (`window`) and the index walks
 //! (`tables`): an event with its place in the publish order, and the round's allowance.
 
-use crate::event::OutboxEvent;
+use outbox_sink::event::OutboxEvent;
 
 /// Most events one round takes from the log, over all the shards it reads.
 pub const ROUND_EVENTS: usize = 10_000;

@@ -3,9 +3,9 @@
 //! only. What a window is and in which order it goes out is src/log/window.rs's; this is how rows
 //! and index entries are found and turned into events.
 
+use outbox_sink::event::{OutboxEvent, TraceContext};
 use pgrx::prelude::*;
 
-use crate::event::{OutboxEvent, TraceContext};
 use crate::log::batch::{Budget, LogEvent};
 use crate::log::columns::{Column, BATCH_INDEXES, COLUMNS, COUNT, INDEX_ID, INDEX_SHARD, INDEX_TXID, TABLES};
 use crate::log::datums;

@@ -1,4 +1,4 @@
-//! What a relay does about entries Redis lost (src/sink/marks.rs finds them): it stores its
+//! What a relay does about entries Redis lost (sink/src/marks.rs finds them): it stores its
 //! stream marks now and then so that a relay started anew still knows them, records each loss once
 //! (`outbox.redis_losses`, shown in `outbox.stats.redis_data_loss`), logs a WARNING naming the
 //! stream, what may be missing and the call that repairs it, and, with `outbox.replay_on_loss`,
@@ -8,15 +8,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use std::panic::AssertUnwindSafe;
 
+use outbox_sink::marks::{Loss, Mark, MAX_STREAMS};
+use outbox_sink::redis::RedisSink;
+use outbox_sink::StreamId;
 use pgrx::prelude::*;
 
 use crate::log::datums::timestamptz_text;
 use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::state::RoundState;
 use crate::relay::txn;
-use crate::sink::marks::{Loss, Mark, MAX_STREAMS};
-use crate::sink::redis::RedisSink;
-use crate::sink::StreamId;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
 const STORED: &str = "SELECT stream, last_ms, last_seq, written_us FROM outbox._stored_marks($1, $2)";

@@ -3,11 +3,12 @@
 //! MULTI/EXEC pipelines, and the count of what Redis did with each entry (the tally and the
 //! settlement the finish writes). Pure: no PostgreSQL, no Redis; src/relay/round.rs calls the sink.
 
-use crate::event::OutboxEvent;
+use outbox_sink::event::OutboxEvent;
+use outbox_sink::redis::{BrokerError, EntryOutcome};
+
 use crate::relay::read::Batch;
 use crate::relay::settle::Settlement;
 use crate::relay::tick_settings::{Map, Set, TickSettings};
-use crate::sink::redis::{BrokerError, EntryOutcome};
 
 /// Where an event of the publish list came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,8 +200,8 @@ pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) 
 #[cfg(test)]
 mod tests {
     use super::{deferred_by_stream_change, next_pipeline, PipelineLimits, Source};
-    use crate::event::OutboxEvent;
     use crate::relay::read::{allowance_order, distinct_aggregates, shards_to_read, AfterRead, ShardClaim, ShardRead};
+    use outbox_sink::event::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {
         OutboxEvent {

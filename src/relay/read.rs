@@ -6,10 +6,10 @@
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use outbox_sink::event::{OutboxEvent, TraceContext};
 use pgrx::prelude::*;
 use pgrx::{PgBuiltInOids, PgOid};
 
-use crate::event::{OutboxEvent, TraceContext};
 use crate::log::counters;
 use crate::log::window::{read_shard, Budget, LogEvent, Snapshot};
 use crate::relay::readiness::{readiness, Readiness};

@@ -14,6 +14,8 @@ use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, SystemTime};
 
+use outbox_sink::entry::{render_stream_template, OutboxEvent, TraceContext};
+use outbox_sink::redis::{BrokerError, EntryOutcome, RedisSink};
 use pgrx::prelude::*;
 
 use crate::enqueue::streams;
@@ -21,8 +23,6 @@ use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
-use crate::sink::entry::{render_stream_template, OutboxEvent, TraceContext};
-use crate::sink::redis::{BrokerError, EntryOutcome, RedisSink};
 
 /// The most events one replay round sends.
 pub const ROUND_EVENTS: usize = 1_000;

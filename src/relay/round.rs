@@ -8,6 +8,9 @@
 
 use std::time::{Duration, Instant};
 
+use outbox_sink::entry::OutboxEvent;
+use outbox_sink::redis::{BrokerError, RedisSink, Sent};
+
 use crate::relay::publish::{next_pipeline, publish_list, PipelineLimits, PublishList, Source, Tally, PIPELINE_BYTES};
 use crate::relay::read::{read_round, Batch, Read};
 use crate::relay::readiness::Readiness;
@@ -16,8 +19,6 @@ use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
 use crate::shared;
 use crate::shared::in_flight;
-use crate::sink::entry::OutboxEvent;
-use crate::sink::redis::{BrokerError, RedisSink, Sent};
 
 /// The outcome of one round.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,12 +5,12 @@
 
 use std::time::Duration;
 
+use outbox_sink::entry::{EntryFormat, EntrySettings};
+use outbox_sink::redis::{RedisConfig, RedisMode, TlsFiles};
 use pgrx::prelude::*;
 
 use crate::guc;
 use crate::relay::health::human;
-use crate::sink::entry::{EntryFormat, EntrySettings};
-use crate::sink::redis::{RedisConfig, TlsFiles};
 
 /// The settings PostgreSQL applied at connection from pg_db_role_setting (`ALTER DATABASE ...
 /// SET`, `ALTER ROLE ... [IN DATABASE ...] SET`), as one comparable text (inside a transaction).
@@ -171,7 +171,11 @@ pub fn lease_problem(lease: Duration, redis_timeout: Duration) -> Option<String>
 pub fn redis_config() -> RedisConfig {
     RedisConfig {
         url: guc::redis_url(),
-        mode: guc::redis_mode(),
+        mode: match guc::redis_mode() {
+            guc::RedisMode::Standalone => RedisMode::Standalone,
+            guc::RedisMode::Sentinel => RedisMode::Sentinel,
+            guc::RedisMode::Cluster => RedisMode::Cluster,
+        },
         sentinel_master: guc::redis_sentinel_master(),
         password_file: guc::redis_password_file(),
         timeout: guc::redis_timeout(),

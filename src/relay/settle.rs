@@ -7,6 +7,8 @@
 use std::collections::BTreeSet;
 use std::panic::AssertUnwindSafe;
 
+use outbox_sink::entry::OutboxEvent;
+use outbox_sink::marks::Mark;
 use pgrx::prelude::*;
 use pgrx::{PgBuiltInOids, PgOid};
 
@@ -16,8 +18,6 @@ use crate::relay::readiness::installation;
 use crate::relay::state::{RoundState, Statement, Statements};
 use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
-use crate::sink::entry::OutboxEvent;
-use crate::sink::marks::Mark;
 
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
@@ -56,7 +56,7 @@ pub struct Settlement {
     /// The stream keys of `journal`'s events, each once: journaled with them, so that a repair
     /// walks only the rounds that wrote to the stream it repairs.
     pub journal_streams: BTreeSet<String>,
-    /// The marks that moved since they were last stored (src/sink/marks.rs), of the Redis
+    /// The marks that moved since they were last stored (sink/src/marks.rs), of the Redis
     /// `marks_target` names: those of this round's entries among them. Stored in the finish, so
     /// that what marks the events published also records what Redis acknowledged of them.
     pub marks: Vec<(String, Mark)>,

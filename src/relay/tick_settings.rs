@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use crate::sink::entry::EntrySettings;
+use outbox_sink::entry::EntrySettings;
 
 /// The round's per-event maps and sets: keyed by aggregates, so by the application's strings, and
 /// looked up several times per event. foldhash is several times faster than the standard SipHash

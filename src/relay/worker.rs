@@ -12,6 +12,7 @@
 
 use std::time::{Duration, Instant};
 
+use outbox_sink::redis::RedisSink;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
 
@@ -28,7 +29,6 @@ use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
 use crate::shared::in_flight;
 use crate::shared::{self, ExtensionState};
-use crate::sink::redis::RedisSink;
 
 /// Delay of the first retry after Redis or the database failed; doubles up to `BACKOFF_CAP`.
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
@@ -306,7 +306,7 @@ impl Relay {
             }
         }
         // A loss check's pass goes on a chunk at a time while there is nothing to publish
-        // (src/sink/marks.rs); while streams are left, the relay comes back at once.
+        // (sink/src/marks.rs); while streams are left, the relay comes back at once.
         let checking = matches!(outcome, TickOutcome::Idle) && self.sink.check_between_rounds();
         if let Some(wait) = self.after_live_round(&outcome, &timings, &settings, poll) {
             return Some(wait);

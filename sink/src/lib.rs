@@ -1,5 +1,6 @@
-//! Where events go. Redis Streams is the only sink today; this module is the boundary the worker
-//! talks to (`redis::RedisSink`, and the types below), so the worker never sees a Redis type.
+//! outbox-sink: where events go. Redis Streams is the only sink today; this crate is the boundary
+//! the relay talks to (`redis::RedisSink`, and the types below), so the relay never sees a Redis
+//! type. It has no pgrx: the background worker inside the server and a relay outside it share it.
 //!
 //! - `redis`: the sink itself: one topology (a node, a master found through Sentinel, a Cluster)
 //!   behind one `publish`, and what counts as a failure of Redis or of an entry.
@@ -8,10 +9,12 @@
 //! - `address`: URLs (one node, or a list of nodes), the password file, and masking.
 //! - `entry`: an event as a stream entry (native or CloudEvents fields, written as RESP).
 //! - `marks`: each stream's last entry this relay wrote, to notice entries Redis lost.
+//! - `event`: an event as the relay reads it from the log and sends it.
 
 pub mod address;
 pub mod cluster;
 pub mod entry;
+pub mod event;
 pub mod marks;
 pub mod node;
 pub mod redis;
@@ -19,17 +22,15 @@ pub mod sentinel;
 
 use std::time::Duration;
 
-/// How the relay finds where to write: one node, a master through Sentinel, or a Cluster.
-#[derive(pgrx::PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+/// How the relay finds where to write (`outbox.redis_mode`): one node, a master through Sentinel,
+/// or a Cluster.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum RedisMode {
     /// `outbox.redis_url` is the one node.
-    #[name = c"standalone"]
     Standalone,
     /// `outbox.redis_url` lists the sentinels; they name the master `outbox.redis_sentinel_master`.
-    #[name = c"sentinel"]
     Sentinel,
     /// `outbox.redis_url` lists seed nodes of a Redis Cluster.
-    #[name = c"cluster"]
     Cluster,
 }
 

@@ -399,7 +399,7 @@ impl OutboxEvent {
 }
 
 /// A stack buffer for an `i64`'s decimal text: the entries' numbers, and the lengths and counts
-/// of the RESP the sink writes (src/sink/node.rs).
+/// of the RESP the sink writes (sink/src/node.rs).
 #[derive(Default)]
 pub struct NumberText {
     bytes: [u8; 20],

@@ -1,6 +1,6 @@
 //! Redis Cluster's key space: which of the 16,384 hash slots a stream key is in (CRC16 of the key,
 //! or of its `{hash tag}`), and which master serves each slot, as `CLUSTER SLOTS` reports it. Pure
-//! data: the sink (src/sink/redis.rs) decides when to read the map again (at the first publish,
+//! data: the sink (sink/src/redis.rs) decides when to read the map again (at the first publish,
 //! after MOVED, after a node failed).
 
 /// A cluster node's client endpoint.

@@ -27,7 +27,7 @@ use super::marks::{self, last_generated_ids, LastIdError, Loss, Mark, Marks, Que
 use super::node::{self, BlockReply, Pipeline, Redirect};
 use super::sentinel;
 pub use super::{BrokerError, EntryOutcome, RedisConfig, RedisMode, TlsFiles};
-use crate::sink::entry::{EntryFormat, EntrySettings, OutboxEvent};
+use crate::entry::{EntryFormat, EntrySettings, OutboxEvent};
 
 /// Redis's default `proto-max-bulk-len` (512 MB): the most any event may carry in one argument.
 const DEFAULT_MAX_ARGUMENT: u64 = 512 * 1024 * 1024;
@@ -163,7 +163,7 @@ impl RedisSink {
         self.describe()
     }
 
-    /// Streams whose marks were forgotten to stay within `MAX_STREAMS` (src/sink/marks.rs).
+    /// Streams whose marks were forgotten to stay within `MAX_STREAMS` (sink/src/marks.rs).
     pub fn marks_forgotten(&self) -> u64 {
         self.marks.forgotten
     }
@@ -588,7 +588,7 @@ impl RedisSink {
         std::mem::take(&mut self.held_back_news)
     }
 
-    /// The losses found since the last call (src/sink/marks.rs).
+    /// The losses found since the last call (sink/src/marks.rs).
     pub fn take_losses(&mut self) -> Vec<Loss> {
         std::mem::take(&mut self.losses)
     }
@@ -613,7 +613,7 @@ impl RedisSink {
         self.marks.adopt(stored);
     }
 
-    /// While a pass over the marks is under way or due (src/sink/marks.rs: every `CHECK_EVERY`),
+    /// While a pass over the marks is under way or due (sink/src/marks.rs: every `CHECK_EVERY`),
     /// checks its next chunk of streams on the connection already open (a new one begins the pass
     /// again); whether streams are left. For the turns of a relay with nothing to publish, so that
     /// an idle relay notices a loss too. A failure drops the connection (the next round connects

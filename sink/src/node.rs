@@ -11,7 +11,7 @@ use redis::{ConnectionAddr, ConnectionInfo};
 
 use super::address::describe_addr;
 use super::{BrokerError, EntryOutcome, StreamId, TlsFiles, NO_ANSWER_IN_TIME};
-use crate::sink::entry::NumberText;
+use crate::entry::NumberText;
 
 /// How long a read timeout set for the rest of an exchange is used before it is set again
 /// (`Pipeline::receive`): the most a reply may outlast the exchange's deadline.
@@ -449,12 +449,12 @@ fn is_broker_wide(error: &redis::ServerError) -> bool {
 /// signal interrupts: it fails with EINTR, and a pipeline would be abandoned half-read and published
 /// again. Deferred signals are delivered when the guard drops, at most `outbox.redis_timeout` later.
 /// SIGQUIT (immediate shutdown) is left alone.
-pub struct SignalsDeferred {
+pub(crate) struct SignalsDeferred {
     previous: libc::sigset_t,
 }
 
 impl SignalsDeferred {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         // SAFETY: plain libc signal-set manipulation on this (single) thread's mask.
         unsafe {
             let mut block: libc::sigset_t = std::mem::zeroed();
