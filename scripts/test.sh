@@ -44,16 +44,18 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
 cargo clippy --no-default-features --features "pg$PG_MAJOR" -- -D warnings  # a production build
-cargo clippy -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
+cargo clippy -p outbox-sink -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
 
-# OUTBOX_TESTS names a part of the suite (.ci/run on 16 and 17): "lib" (the unit tests and the
-# #[pg_test]s), integration test files of tests/ by name, and "pgxn" (META.json, pgxn/), e.g.
-# "lib relay faults". Default: all, with the consumer crate's tests and pgxn.
+# OUTBOX_TESTS names a part of the suite (.ci/run on 16 and 17): "lib" (the unit tests, the sink
+# crate's too, and the #[pg_test]s), integration test files of tests/ by name, and "pgxn"
+# (META.json, pgxn/), e.g. "lib relay faults". Default: all, with the consumer crate's tests and
+# pgxn.
 targets=()
+lib=0
 pgxn=0
 for name in ${OUTBOX_TESTS:-}; do
   case "$name" in
-    lib) targets+=(--lib) ;;
+    lib) targets+=(--lib); lib=1 ;;
     pgxn) pgxn=1 ;;
     *) targets+=(--test "$name") ;;
   esac
@@ -65,6 +67,13 @@ if [ -z "${OUTBOX_TESTS:-}" ] || [ ${#targets[@]} -gt 0 ]; then
   echo "== cargo test"
   # --no-fail-fast: one failing test binary does not hide the results of the others.
   cargo test --no-fail-fast --no-default-features --features "$FEATURES" "${targets[@]}" -- --test-threads="${TEST_THREADS:-2}" "$@"
+fi
+
+# The Redis side of the relay (sink/, no pgrx, hence no PostgreSQL feature): its unit tests and
+# proptests, part of "lib".
+if [ -z "${OUTBOX_TESTS:-}" ] || [ "$lib" = 1 ]; then
+  echo "== cargo test -p outbox-sink"
+  cargo test -p outbox-sink -- "$@"
 fi
 
 # The consumer library and CLI (no pgrx), against their own redis-servers; the test servers' own
