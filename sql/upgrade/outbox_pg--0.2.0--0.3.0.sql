@@ -263,7 +263,7 @@ COMMENT ON TABLE outbox.replay_event_ids IS
 SELECT pg_catalog.pg_extension_config_dump('outbox.replay_event_ids', '');
 
 -- -------------------------------------------------------------------------------------------------
--- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.
+-- What the relays know of the streams they write to (sink/src/marks.rs), and the losses they found.
 -- -------------------------------------------------------------------------------------------------
 CREATE TABLE outbox.stream_marks (
     -- Which Redis (its nodes as the relay names them in its logs, never credentials, and

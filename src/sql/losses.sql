@@ -1,9 +1,9 @@
 -- Noticing that Redis lost entries it had acknowledged, and repairing them: the stream marks the
--- relays store (src/sink/marks.rs, src/relay/losses.rs), the losses they record, and the replays
+-- relays store (sink/src/marks.rs, src/relay/losses.rs), the losses they record, and the replays
 -- that repair them (replay.sql). docs/worker.md, "When Redis loses entries".
 
 -- -------------------------------------------------------------------------------------------------
--- What the relays know of the streams they write to (src/sink/marks.rs), and the losses they found.
+-- What the relays know of the streams they write to (sink/src/marks.rs), and the losses they found.
 -- -------------------------------------------------------------------------------------------------
 CREATE TABLE outbox.stream_marks (
     -- Which Redis (its nodes as the relay names them in its logs, never credentials, and
@@ -43,7 +43,7 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.redis_losses', '');
 -- -------------------------------------------------------------------------------------------------
 -- outbox._store_marks(target, streams, last_ms, last_seqs, written_at)
 --
---     Stores a relay's stream marks for the Redis it writes to (src/sink/marks.rs), keeping the
+--     Stores a relay's stream marks for the Redis it writes to (sink/src/marks.rs), keeping the
 --     later of each.
 -- Writes:  insert or update outbox.stream_marks
 -- Called by: a relay, in the transaction that finishes a round (or records a replay round's
