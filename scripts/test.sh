@@ -44,7 +44,7 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
 cargo clippy --no-default-features --features "pg$PG_MAJOR" -- -D warnings  # a production build
-cargo clippy -p outbox-sink -p outbox-protocol -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
+cargo clippy -p outbox-sink -p outbox-round -p outbox-protocol -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
 
 # OUTBOX_TESTS names a part of the suite (.ci/run on 16 and 17): "lib" (the unit tests, the sink
 # crate's too, and the #[pg_test]s), integration test files of tests/ by name, and "pgxn"
@@ -69,11 +69,11 @@ if [ -z "${OUTBOX_TESTS:-}" ] || [ ${#targets[@]} -gt 0 ]; then
   cargo test --no-fail-fast --no-default-features --features "$FEATURES" "${targets[@]}" -- --test-threads="${TEST_THREADS:-2}" "$@"
 fi
 
-# The crates the relay shares with the consumers and the outside relay (sink/ and protocol/, no
+# The crates the relay shares with the consumers and the outside relay (sink/, round/ and protocol/, no
 # pgrx, hence no PostgreSQL feature): their unit tests and proptests, part of "lib".
 if [ -z "${OUTBOX_TESTS:-}" ] || [ "$lib" = 1 ]; then
-  echo "== cargo test -p outbox-sink -p outbox-protocol"
-  cargo test -p outbox-sink -p outbox-protocol -- "$@"
+  echo "== cargo test -p outbox-sink -p outbox-round -p outbox-protocol"
+  cargo test -p outbox-sink -p outbox-round -p outbox-protocol -- "$@"
 fi
 
 # The consumer library and CLI (no pgrx), against their own redis-servers; the test servers' own
