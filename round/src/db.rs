@@ -211,6 +211,13 @@ impl fmt::Display for DbError {
 
 impl std::error::Error for DbError {}
 
+/// The message alone: the worker's steps report a failure as its message (and log it so).
+impl From<DbError> for String {
+    fn from(error: DbError) -> String {
+        error.message
+    }
+}
+
 impl From<String> for DbError {
     fn from(message: String) -> DbError {
         DbError::new(message)
