@@ -2,16 +2,14 @@
 //! reaper (shards of relays that exited or hang), the oldest pending event's age, the recorded
 //! snapshots a lagging shard reads up to, whether a replay runs, and retention.
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use pgrx::prelude::*;
+use outbox_round::db::{first, Database, DbError};
 
 use crate::relay::losses::REPAIRS_RUNNING;
-use crate::relay::readiness::{readiness, Readiness};
+use crate::relay::readiness::{readiness_on, Readiness};
 use crate::relay::replay::REPLAYS_RUNNING;
 use crate::relay::state::RoundState;
-use crate::relay::txn;
 
 const REAP: &str = "SELECT outbox._reap_shards($1)";
 const RECORD_SNAPSHOT: &str = "SELECT outbox._record_snapshot($1)";
@@ -43,23 +41,24 @@ pub enum HousekeepingOutcome {
 
 /// Frees the shards of relays that exited or hang, measures the oldest pending event, and keeps the
 /// recorded snapshots that bound a lagging shard's windows, in one short transaction.
-pub fn housekeeping(state: &mut RoundState, lease_ms: i32) -> Result<HousekeepingOutcome, String> {
-    let state = AssertUnwindSafe(state);
-    txn::run(move || -> Result<HousekeepingOutcome, pgrx::spi::Error> {
-        let mut state = state;
-        let state: &mut RoundState = &mut state;
-        match readiness(state)? {
+pub fn housekeeping(
+    db: &mut impl Database,
+    state: &mut RoundState,
+    lease_ms: i32,
+) -> Result<HousekeepingOutcome, DbError> {
+    db.transaction(|db| {
+        match readiness_on(db, state)? {
             Readiness::Ready(_) => {}
             Readiness::Missing => return Ok(HousekeepingOutcome::ExtensionMissing),
             _ => return Ok(HousekeepingOutcome::NotReady),
         }
-        let reaped = Spi::get_one_with_args::<i64>(REAP, &[lease_ms.into()])?.unwrap_or(0);
-        let oldest_pending_age =
-            Spi::get_one::<f64>(OLDEST_PENDING_AGE_MS)?.map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+        let reaped = first::<i64>(&db.query(REAP, &[lease_ms.into()])?)?.unwrap_or(0);
+        let oldest_pending_age = first::<f64>(&db.query(OLDEST_PENDING_AGE_MS, &[])?)?
+            .map(|ms| Duration::from_secs_f64(ms.max(0.0) / 1000.0));
         // While anything waits, the snapshots that bound a lagging shard's windows.
-        Spi::run_with_args(RECORD_SNAPSHOT, &[oldest_pending_age.is_some().into()])?;
-        let replays_running = Spi::get_one::<bool>(REPLAYS_RUNNING)?.unwrap_or(false);
-        let repairs_running = replays_running && Spi::get_one::<bool>(REPAIRS_RUNNING)?.unwrap_or(false);
+        db.execute(RECORD_SNAPSHOT, &[oldest_pending_age.is_some().into()])?;
+        let replays_running = first::<bool>(&db.query(REPLAYS_RUNNING, &[])?)?.unwrap_or(false);
+        let repairs_running = replays_running && first::<bool>(&db.query(REPAIRS_RUNNING, &[])?)?.unwrap_or(false);
         Ok(HousekeepingOutcome::Done(Housekeeping { reaped, oldest_pending_age, replays_running, repairs_running }))
     })
 }
@@ -67,6 +66,6 @@ pub fn housekeeping(state: &mut RoundState, lease_ms: i32) -> Result<Housekeepin
 /// One retention step (outbox._retention) keeping published events `retention_s` seconds (None:
 /// `outbox.retention = 0`, only what `outbox.purge` asked for); returns how many events and rows it
 /// removed.
-pub fn retention(retention_s: Option<i32>) -> Result<i64, String> {
-    txn::run(move || Spi::get_one_with_args::<i64>(RETENTION, &[retention_s.into()])).map(|n| n.unwrap_or(0))
+pub fn retention(db: &mut impl Database, retention_s: Option<i32>) -> Result<i64, DbError> {
+    db.transaction(|db| first::<i64>(&db.query(RETENTION, &[retention_s.into()])?)).map(|n| n.unwrap_or(0))
 }

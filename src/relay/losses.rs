@@ -6,17 +6,16 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use std::panic::AssertUnwindSafe;
-
+use outbox_round::db::{first, Database, DbError, Statements};
 use outbox_sink::marks::{Loss, Mark, MAX_STREAMS};
 use outbox_sink::redis::RedisSink;
 use outbox_sink::StreamId;
 use pgrx::prelude::*;
 
 use crate::log::datums::timestamptz_text;
-use crate::relay::readiness::{readiness, Readiness};
+use crate::relay::readiness::{readiness_on, Readiness};
+use crate::relay::spi::{self, SpiDatabase};
 use crate::relay::state::RoundState;
-use crate::relay::txn;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
 const STORED: &str = "SELECT stream, last_ms, last_seq, written_us FROM outbox._stored_marks($1, $2)";
@@ -62,23 +61,23 @@ impl MarkKeeping {
     /// Loads the marks earlier relays stored for the sink's Redis (at start, and after a reload
     /// pointed the relay at another one), stores those that moved outside a finish, and prunes
     /// the table now and then. Relay `slot` logs when it writes to more streams than it checks.
-    pub fn keep(&mut self, sink: &mut RedisSink, slot: usize) -> Result<(), String> {
+    pub fn keep(&mut self, db: &mut impl Database, sink: &mut RedisSink, slot: usize) -> Result<(), String> {
         let target = sink.marks_target();
         if self.loaded.as_deref() != Some(target.as_str()) {
-            sink.adopt_marks(stored_marks(target.clone())?);
+            sink.adopt_marks(stored_marks(db, &target)?);
             self.loaded = Some(target.clone());
         }
         if self.stored_at.elapsed() >= MARKS_STORED_EVERY {
             self.stored_at = Instant::now();
             let marks = sink.take_dirty_marks();
-            if let Err(error) = store_marks(target.clone(), marks.clone()) {
+            if let Err(error) = store_marks(db, &target, &marks) {
                 sink.marks_not_stored(marks);
-                return Err(error);
+                return Err(error.into());
             }
         }
         if self.pruned_at.elapsed() >= MARKS_PRUNED_EVERY {
             self.pruned_at = Instant::now();
-            prune_marks(target, crate::guc::retention_s())?;
+            prune_marks(db, &target, crate::guc::retention_s())?;
             let forgotten = sink.marks_forgotten();
             if forgotten > self.forgotten_logged {
                 self.forgotten_logged = forgotten;
@@ -93,28 +92,18 @@ impl MarkKeeping {
 
 /// Whether a replay that repairs a loss still runs (false where the relay may not run its
 /// statements: no extension, another version).
-pub fn repairs_running(state: &mut RoundState) -> Result<bool, String> {
-    let state = AssertUnwindSafe(state);
-    txn::run(move || {
-        let mut state = state;
-        match readiness(&mut state)? {
-            Readiness::Ready(_) => Spi::get_one::<bool>(REPAIRS_RUNNING).map(|running| running.unwrap_or(false)),
-            _ => Ok(false),
-        }
+pub fn repairs_running(db: &mut impl Database, state: &mut RoundState) -> Result<bool, DbError> {
+    db.transaction(|db| match readiness_on(db, state)? {
+        Readiness::Ready(_) => first::<bool>(&db.query(REPAIRS_RUNNING, &[])?).map(|running| running.unwrap_or(false)),
+        _ => Ok(false),
     })
 }
 
 /// Deletes the marks `outbox.stream_marks` need not keep (`PRUNE`); how many.
-fn prune_marks(target: String, retention_s: Option<i32>) -> Result<u64, String> {
-    txn::run(move || {
-        Spi::connect_mut(|client| {
-            let args = [target.into(), (MAX_STREAMS as i64).into(), retention_s.into()];
-            client
-                .update(PRUNE, None, &args)?
-                .first()
-                .get_one::<i64>()
-                .map(|deleted| deleted.unwrap_or(0).max(0) as u64)
-        })
+fn prune_marks(db: &mut impl Database, target: &str, retention_s: Option<i32>) -> Result<u64, DbError> {
+    db.transaction(|db| {
+        let args = [target.into(), (MAX_STREAMS as i64).into(), retention_s.into()];
+        first::<i64>(&db.query(PRUNE, &args)?).map(|deleted| deleted.unwrap_or(0).max(0) as u64)
     })
 }
 
@@ -125,18 +114,25 @@ fn postgres_us(at: SystemTime) -> i64 {
 
 /// Stores marks that moved (the later of each is kept), for the Redis `target` names, in a
 /// transaction of their own.
-fn store_marks(target: String, marks: Vec<(String, Mark)>) -> Result<(), String> {
+fn store_marks(db: &mut impl Database, target: &str, marks: &[(String, Mark)]) -> Result<(), DbError> {
     if marks.is_empty() {
         return Ok(());
     }
-    txn::run(move || write_marks(&target, &marks))
+    db.transaction(|db| write_marks_on(db, target, marks))
+}
+
+/// `write_marks_on` for replay.rs, which still runs its statements through pgrx's SPI itself
+/// (docs/outside-relay.md, step 2b's second part); an error is raised.
+pub fn write_marks(target: &str, marks: &[(String, Mark)]) -> Result<(), pgrx::spi::Error> {
+    spi::in_transaction(|db| write_marks_on(db, target, marks)).unwrap_or_else(|error| spi::raise(error));
+    Ok(())
 }
 
 /// Stores marks in the transaction under way: the finish of the round whose entries they are
 /// (src/relay/settle.rs), so that a crash keeps either both or neither. A finish that marks
 /// events published with their marks still to be stored a moment later lost them to a crash in
 /// between, and with them the loss of those entries, if Redis lost them too (issue 35).
-pub fn write_marks(target: &str, marks: &[(String, Mark)]) -> Result<(), pgrx::spi::Error> {
+pub fn write_marks_on(db: &mut dyn Statements, target: &str, marks: &[(String, Mark)]) -> Result<(), DbError> {
     if marks.is_empty() {
         return Ok(());
     }
@@ -144,42 +140,48 @@ pub fn write_marks(target: &str, marks: &[(String, Mark)]) -> Result<(), pgrx::s
     let ms: Vec<i64> = marks.iter().map(|(_, m)| m.id.ms as i64).collect();
     let seqs: Vec<i64> = marks.iter().map(|(_, m)| m.id.seq as i64).collect();
     let at: Vec<String> = marks.iter().map(|(_, m)| timestamptz_text(postgres_us(m.written_at))).collect();
-    Spi::run_with_args(STORE, &[target.into(), streams.into(), ms.into(), seqs.into(), at.into()])
+    db.execute(STORE, &[target.into(), streams.into(), ms.into(), seqs.into(), at.into()])?;
+    Ok(())
 }
 
 /// The marks stored for the Redis `target` names, the most recently written first.
-fn stored_marks(target: String) -> Result<Vec<(String, Mark)>, String> {
-    txn::run(move || {
-        Spi::connect(|client| {
-            let mut marks = Vec::new();
-            for row in client.select(STORED, None, &[target.clone().into(), (MAX_STREAMS as i64).into()])? {
-                let stream = row.get::<String>(1)?.unwrap_or_default();
-                let id = StreamId {
-                    ms: row.get::<i64>(2)?.unwrap_or_default().max(0) as u64,
-                    seq: row.get::<i64>(3)?.unwrap_or_default().max(0) as u64,
-                };
-                let unix_us = row.get::<i64>(4)?.unwrap_or_default().max(0) as u64;
-                marks.push((stream, Mark { id, written_at: UNIX_EPOCH + Duration::from_micros(unix_us) }));
-            }
-            Ok::<_, pgrx::spi::Error>(marks)
-        })
+fn stored_marks(db: &mut impl Database, target: &str) -> Result<Vec<(String, Mark)>, DbError> {
+    db.transaction(|db| {
+        let mut marks = Vec::new();
+        for row in db.query(STORED, &[target.into(), (MAX_STREAMS as i64).into()])? {
+            let stream = row.get::<String>(0)?.unwrap_or_default();
+            let id = StreamId {
+                ms: row.get::<i64>(1)?.unwrap_or_default().max(0) as u64,
+                seq: row.get::<i64>(2)?.unwrap_or_default().max(0) as u64,
+            };
+            let unix_us = row.get::<i64>(3)?.unwrap_or_default().max(0) as u64;
+            marks.push((stream, Mark { id, written_at: UNIX_EPOCH + Duration::from_micros(unix_us) }));
+        }
+        Ok(marks)
     })
+}
+
+/// `report_found_on` for replay.rs (docs/outside-relay.md, step 2b's second part), on a connection
+/// of its own that keeps no plan.
+pub fn report_found(sink: &mut RedisSink) -> Result<(), String> {
+    report_found_on(&mut SpiDatabase::new(&[]), sink)
 }
 
 /// Records the losses the sink's checks found, if any, before a round that wrote after those
 /// checks is finished; on failure they stay in the sink, and the caller finishes nothing.
-pub fn report_found(sink: &mut RedisSink) -> Result<(), String> {
+pub fn report_found_on(db: &mut impl Database, sink: &mut RedisSink) -> Result<(), String> {
     let found = sink.take_losses();
     if found.is_empty() {
         return Ok(());
     }
-    report(sink.marks_target(), found.clone(), crate::guc::replay_on_loss()).inspect_err(|_| sink.restore_losses(found))
+    report(db, sink.marks_target(), found.clone(), crate::guc::replay_on_loss())
+        .inspect_err(|_| sink.restore_losses(found))
 }
 
 /// Records losses (each once, whichever relay finds it first), forgets the lost streams' stored
 /// marks of `target`, logs each new loss, and with `replay` asks for the replay that repairs it.
 /// The transaction commits synchronously: the WARNING names loss ids that a crash cannot discard.
-pub fn report(target: String, losses: Vec<Loss>, replay: bool) -> Result<(), String> {
+pub fn report(db: &mut impl Database, target: String, losses: Vec<Loss>, replay: bool) -> Result<(), String> {
     let lost_streams: Vec<String> = losses.iter().map(|l| l.stream.clone()).collect();
     let lost_ms: Vec<i64> = losses.iter().map(|l| l.expected.id.ms as i64).collect();
     let lost_seq: Vec<i64> = losses.iter().map(|l| l.expected.id.seq as i64).collect();
@@ -191,31 +193,23 @@ pub fn report(target: String, losses: Vec<Loss>, replay: bool) -> Result<(), Str
     // its repair replays every retained event of it.
     let found: Vec<Option<String>> =
         losses.iter().map(|l| l.found.filter(|_| !l.recreated).map(|id| id.to_string())).collect();
-    let recorded: Vec<(i64, String, Option<i64>)> = txn::run(move || {
-        Spi::connect_mut(|client| {
-            client.update("SET LOCAL synchronous_commit = on", None, &[])?;
-            client.update(FORGET, None, &[target.into(), lost_streams.into(), lost_ms.into(), lost_seq.into()])?;
-            let mut recorded = Vec::new();
-            for row in
-                client.update(REPORT, None, &[streams.into(), expected.into(), expected_at.into(), found.into()])?
-            {
-                recorded.push((
-                    row.get::<i64>(1)?.unwrap_or_default(),
-                    row.get::<String>(2)?.unwrap_or_default(),
-                    None,
-                ));
-            }
-            if replay && !recorded.is_empty() {
-                let ids: Vec<i64> = recorded.iter().map(|(id, ..)| *id).collect();
-                for row in client.update(REPAIR, None, &[ids.into()])? {
-                    let (loss, replay) = (row.get::<i64>(1)?, row.get::<i64>(2)?);
-                    if let Some(entry) = recorded.iter_mut().find(|(id, ..)| Some(*id) == loss) {
-                        entry.2 = replay;
-                    }
+    let recorded: Vec<(i64, String, Option<i64>)> = db.transaction(|db| {
+        db.execute("SET LOCAL synchronous_commit = on", &[])?;
+        db.execute(FORGET, &[target.into(), lost_streams.into(), lost_ms.into(), lost_seq.into()])?;
+        let mut recorded = Vec::new();
+        for row in db.query(REPORT, &[streams.into(), expected.into(), expected_at.into(), found.into()])? {
+            recorded.push((row.get::<i64>(0)?.unwrap_or_default(), row.get::<String>(1)?.unwrap_or_default(), None));
+        }
+        if replay && !recorded.is_empty() {
+            let ids: Vec<i64> = recorded.iter().map(|(id, ..)| *id).collect();
+            for row in db.query(REPAIR, &[ids.into()])? {
+                let (loss, replay) = (row.get::<i64>(0)?, row.get::<i64>(1)?);
+                if let Some(entry) = recorded.iter_mut().find(|(id, ..)| Some(*id) == loss) {
+                    entry.2 = replay;
                 }
             }
-            Ok::<_, pgrx::spi::Error>(recorded)
-        })
+        }
+        Ok(recorded)
     })?;
     if recorded.iter().any(|(_, _, replay)| replay.is_some()) {
         // Committed: every relay of the database waits for the repair before its next live round.

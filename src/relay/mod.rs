@@ -11,6 +11,7 @@
 //! - `replay`: replay rounds between live ones; `losses`: noticing and recording lost entries.
 //! - `housekeeping`: the reaper, the age check, recorded snapshots, retention.
 //! - `backoff`, `txn`: capped exponential backoff; a database step as a short transaction.
+//! - `spi`: the round's database interface (outbox-round's `Database`) over SPI.
 
 pub mod backoff;
 pub mod health;
@@ -24,6 +25,7 @@ pub mod replay;
 pub mod round;
 pub mod settings;
 pub mod settle;
+pub mod spi;
 pub mod state;
 pub mod tick_settings;
 pub mod txn;

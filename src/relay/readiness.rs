@@ -4,8 +4,10 @@
 
 use std::time::{Duration, Instant};
 
+use outbox_round::db::{first, DbError, Statements};
 use pgrx::prelude::*;
 
+use crate::relay::spi;
 use crate::relay::state::RoundState;
 
 /// The OID of the installed extension: which installation's log a batch was read from. A finish
@@ -33,10 +35,18 @@ pub enum Readiness {
 /// The library's version: the extension version it was built with and whose statements it calls.
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
+/// `readiness_on` for read.rs and replay.rs, which still run their statements through pgrx's SPI
+/// themselves (docs/outside-relay.md, step 2b's second part); an error is raised.
+pub fn readiness(state: &mut RoundState) -> Result<Readiness, pgrx::spi::Error> {
+    Ok(spi::in_transaction(|db| readiness_on(db, state)).unwrap_or_else(|error| spi::raise(error)))
+}
+
 /// Checks that the extension is installed, at the version of this library. After a new library is
 /// installed and the server restarted, the database keeps the old extension version until `ALTER
 /// EXTENSION outbox_pg UPDATE`; until then the relay calls nothing (events wait, none is lost).
-pub fn readiness(state: &mut RoundState) -> Result<Readiness, pgrx::spi::Error> {
+/// Still tied to the server: the extension's OID and the database's are read from the backend
+/// (`installation`, `MyDatabaseId`), not by a statement.
+pub fn readiness_on(db: &mut dyn Statements, state: &mut RoundState) -> Result<Readiness, DbError> {
     let oid = installation();
     if oid == pg_sys::InvalidOid {
         return Ok(Readiness::Missing);
@@ -46,16 +56,15 @@ pub fn readiness(state: &mut RoundState) -> Result<Readiness, pgrx::spi::Error> 
             return Ok(Readiness::Ready(oid));
         }
     }
-    let version = Spi::get_one_with_args::<String>(
-        "SELECT extversion::text FROM pg_catalog.pg_extension WHERE oid = $1",
-        &[oid.into()],
+    let version = first::<String>(
+        &db.query("SELECT extversion::text FROM pg_catalog.pg_extension WHERE oid = $1", &[oid.to_u32().into()])?,
     )?
     .unwrap_or_default();
     if version != LIBRARY_VERSION {
         state.version_checked = None;
         return Ok(Readiness::Outdated(version));
     }
-    if let Some(original) = copied_from()? {
+    if let Some(original) = copied_from(db)? {
         state.version_checked = None;
         return Ok(Readiness::Copied(original));
     }
@@ -68,32 +77,30 @@ pub fn readiness(state: &mut RoundState) -> Result<Readiness, pgrx::spi::Error> 
 /// that carries nothing of the original's (a template with outbox_pg installed, as `CREATE
 /// DATABASE` copies it) is adopted at once, whatever it has enqueued since: it cannot collide
 /// with anything.
-fn copied_from() -> Result<Option<u32>, pgrx::spi::Error> {
+fn copied_from(db: &mut dyn Statements) -> Result<Option<u32>, DbError> {
     // SAFETY: set for every connected backend.
-    let here = unsafe { pg_sys::MyDatabaseId };
-    let recorded = Spi::get_one::<pg_sys::Oid>("SELECT database_oid FROM outbox.installation")?;
+    let here = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let recorded = first::<u32>(&db.query("SELECT database_oid FROM outbox.installation", &[])?)?;
     let Some(recorded) = recorded.filter(|recorded| *recorded != here) else {
         return Ok(None);
     };
     // Copied events are older than the database (src/sql/operations.sql, _database_created_by);
     // those enqueued here since are its own. The failure path and the counters are written by
     // relays only, so anything there was copied.
-    let pristine = Spi::get_one::<bool>(
+    let pristine = first::<bool>(&db.query(
         "SELECT NOT EXISTS (SELECT 1 FROM outbox.events e
                              WHERE e.txid < coalesce(outbox._database_created_by(), pg_current_xact_id()))
                 AND NOT EXISTS (SELECT 1 FROM outbox.held) AND NOT EXISTS (SELECT 1 FROM outbox.aggregates)",
-    )?
+        &[],
+    )?)?
     .unwrap_or(false);
     if !pristine {
-        return Ok(Some(recorded.to_u32()));
+        return Ok(Some(recorded));
     }
-    Spi::run_with_args(
-        "UPDATE outbox.installation SET database_oid = $1, installed_at = clock_timestamp()",
-        &[here.into()],
-    )?;
+    db.execute("UPDATE outbox.installation SET database_oid = $1, installed_at = clock_timestamp()", &[here.into()])?;
     log!(
         "outbox_pg: this database's outbox_pg was copied from database oid {} and holds no event and no counter; relaying it as its own",
-        recorded.to_u32()
+        recorded
     );
     Ok(None)
 }

@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use outbox_round::db::Database;
 use outbox_sink::entry::OutboxEvent;
 use outbox_sink::redis::{BrokerError, RedisSink, Sent};
 
@@ -112,6 +113,7 @@ pub struct Flight {
 /// if it does not, that read is thrown away and made again. A tick that leaves a round in flight
 /// says `more`, so the relay comes back at once, and lands it before it waits.
 pub fn tick(
+    db: &mut impl Database,
     sink: &mut RedisSink,
     settings: &TickSettings,
     state: &mut RoundState,
@@ -124,7 +126,7 @@ pub fn tick(
         let started = Instant::now();
         let next = read_round(settings, state, Some(&landing.batch));
         timings.claim += started.elapsed();
-        let (outcome, clean) = land(landing, sink, state, timings);
+        let (outcome, clean) = land(db, landing, sink, state, timings);
         match next {
             Ok(Read::Batch(batch)) if clean => read = Some(Ok(Read::Batch(batch))),
             Ok(Read::Batch(batch)) => batch.give_back(),
@@ -151,7 +153,7 @@ pub fn tick(
         Ok(Read::NotReady(_)) => TickOutcome::ExtensionMissing,
         // Only a read after a round in flight is postponed, and that one was landed above.
         Ok(Read::Postponed) => TickOutcome::Idle,
-        Ok(Read::Batch(batch)) => run(batch, sink, settings, state, flight, timings),
+        Ok(Read::Batch(batch)) => run(db, batch, sink, settings, state, flight, timings),
     };
     match landed {
         Some(landed) => merge(landed, outcome),
@@ -161,6 +163,7 @@ pub fn tick(
 
 /// Publishes and finishes a round that was read, or sends it and leaves it in flight.
 fn run(
+    db: &mut impl Database,
     mut batch: Batch,
     sink: &mut RedisSink,
     settings: &TickSettings,
@@ -173,7 +176,7 @@ fn run(
     if claimed == 0 {
         // Idle shards' cursors still move now and then (retention needs them past closed tables).
         if batch.shards.iter().any(|s| s.advance) {
-            if let Err(error) = finish(Settlement::default(), &batch, settings, state) {
+            if let Err(error) = finish(db, Settlement::default(), &batch, settings, state) {
                 return TickOutcome::DatabaseError(error);
             }
         }
@@ -251,7 +254,7 @@ fn run(
     }
     timings.publish += started.elapsed();
     state.allowance.landed(Instant::now());
-    settle(batch, settlement, tally, claimed, settings, sink, state, timings)
+    settle(db, batch, settlement, tally, claimed, settings, sink, state, timings)
 }
 
 /// A round of `events` events failed with `error`: if Redis did not answer it in time, the next
@@ -272,6 +275,7 @@ fn after_timeout(state: &mut RoundState, events: usize, error: &BrokerError) {
 /// Reads the replies of a round in flight and finishes it; whether it went cleanly: every entry
 /// published, nothing held, the finish committed (only then may a round read meanwhile go out).
 fn land(
+    db: &mut impl Database,
     flight: Flight,
     sink: &mut RedisSink,
     state: &mut RoundState,
@@ -292,7 +296,7 @@ fn land(
     state.allowance.landed(Instant::now());
     let clean = settlement.hold.is_empty() && tally.rejected == 0;
     timings.shards_held = Some(batch.shards.len());
-    let outcome = settle(batch, settlement, tally, claimed, &settings, sink, state, timings);
+    let outcome = settle(db, batch, settlement, tally, claimed, &settings, sink, state, timings);
     let clean = clean && matches!(outcome, TickOutcome::Worked { .. });
     (outcome, clean)
 }
@@ -300,17 +304,19 @@ fn land(
 /// Lands a round left in flight, if any (before the relay waits, pauses or exits), and finishes
 /// it; its outcome.
 pub fn land_in_flight(
+    db: &mut impl Database,
     sink: &mut RedisSink,
     state: &mut RoundState,
     flight: &mut Option<Flight>,
 ) -> Option<TickOutcome> {
     let landing = flight.take()?;
-    Some(land(landing, sink, state, &mut RoundTimings::default()).0)
+    Some(land(db, landing, sink, state, &mut RoundTimings::default()).0)
 }
 
 /// Finishes a published round: writes its outcome in one transaction.
 #[allow(clippy::too_many_arguments)]
 fn settle(
+    db: &mut impl Database,
     batch: Batch,
     mut settlement: Settlement,
     tally: Tally,
@@ -326,7 +332,7 @@ fn settle(
     // Losses the check found before this round wrote are recorded first (a transaction that
     // commits synchronously): the finish stores marks past them, after which a relay started
     // anew, should this one crash, could no longer find them.
-    if let Err(error) = crate::relay::losses::report_found(sink) {
+    if let Err(error) = crate::relay::losses::report_found_on(db, sink) {
         return TickOutcome::DatabaseError(error);
     }
     // The marks of what Redis acknowledged go in the finish that marks it published (a crash
@@ -337,7 +343,7 @@ fn settle(
     // If finishing fails nothing is finished: the batch is read and published again (duplicates,
     // never a loss).
     let started = Instant::now();
-    let finished = finish(settlement, &batch, settings, state);
+    let finished = finish(db, settlement, &batch, settings, state);
     timings.settle += started.elapsed();
     let dead_lettered = match finished {
         Ok(finished) => {

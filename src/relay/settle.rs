@@ -5,40 +5,24 @@
 //! round was read from.
 
 use std::collections::BTreeSet;
-use std::panic::AssertUnwindSafe;
 
+use outbox_round::db::{first, Database, DbError};
 use outbox_sink::entry::OutboxEvent;
 use outbox_sink::marks::Mark;
-use pgrx::prelude::*;
-use pgrx::{PgBuiltInOids, PgOid};
 
 use crate::relay::losses;
 use crate::relay::read::{Batch, ShardBatch};
 use crate::relay::readiness::installation;
-use crate::relay::state::{RoundState, Statement, Statements};
+use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
-use crate::relay::txn;
 
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
+/// Run by every round that published anything: the worker keeps its plan (`KEPT`).
 const ADVANCE: &str = "SELECT outbox._advance($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
-/// The argument types of ADVANCE.
-const ADVANCE_TYPES: [PgOid; 13] = [
-    PgOid::BuiltIn(PgBuiltInOids::INT4OID),
-    PgOid::BuiltIn(PgBuiltInOids::INT2ARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::BOOLARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::UUIDARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::INT8ARRAYOID),
-    PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID),
-];
+/// The finish's statements whose plans a connection keeps (src/relay/spi.rs).
+pub const KEPT: &[&str] = &[ADVANCE];
 
 /// How a round is finished.
 #[derive(Default)]
@@ -80,8 +64,10 @@ pub struct Finished {
 }
 
 /// Writes the round's outcome in one transaction, if the log still belongs to the installation
-/// the batch was read from.
+/// the batch was read from. Still tied to the server: that installation is the extension's OID,
+/// read from the backend (`installation`).
 pub fn finish(
+    db: &mut impl Database,
     mut settlement: Settlement,
     batch: &Batch,
     settings: &TickSettings,
@@ -101,37 +87,32 @@ pub fn finish(
     let counted: Vec<bool> = batch.counters.iter().map(|(.., c)| *c).collect();
     // The journal's event ids cross as uuids: as text, `uuid_in` on every one of a drain's
     // 10,000 ids a round was 3% of the relay's CPU. They were read from the log's uuid column.
-    let journal_ids: Vec<pgrx::Uuid> = settlement
+    let journal_ids: Vec<[u8; 16]> = settlement
         .journal
         .iter()
-        .map(|(id, _)| uuid::Uuid::parse_str(id).map(|id| pgrx::Uuid::from_bytes(*id.as_bytes())))
+        .map(|(id, _)| uuid::Uuid::parse_str(id).map(|id| *id.as_bytes()))
         .collect::<Result<_, _>>()
         .map_err(|error| format!("an event id of the round is not a uuid: {error}"))?;
     let journal_seqs: Vec<i64> = settlement.journal.iter().map(|(_, seq)| *seq).collect();
     let journal_streams: Vec<String> = std::mem::take(&mut settlement.journal_streams).into_iter().collect();
     let read_from = batch.installation;
     let holds = !settlement.hold.is_empty() || !settlement.held_rejected.is_empty();
-    let statements = AssertUnwindSafe(&mut state.statements);
-    let finished = txn::run(move || -> Result<Finished, String> {
-        let mut statements = statements;
-        let statements: &mut Statements = &mut statements;
+    let finished = db.transaction(|db| {
         let mut finished = Finished::default();
-        let spi = |e: pgrx::spi::Error| e.to_string();
         if !settlement.hold.is_empty() {
             let event_ids: Vec<String> = settlement.hold.iter().map(|(e, ..)| e.clone()).collect();
             let seqs: Vec<i64> = settlement.hold.iter().map(|(_, s, _)| *s).collect();
             let errors: Vec<Option<String>> = settlement.hold.iter().map(|(.., e)| e.clone()).collect();
-            finished.dead_lettered += Spi::get_one_with_args::<i64>(
+            finished.dead_lettered += first::<i64>(&db.query(
                 HOLD,
                 &[event_ids.into(), seqs.into(), errors.into(), max_attempts.into(), retry_delay_ms.into()],
-            )
-            .map_err(spi)?
+            )?)?
             .unwrap_or(0);
         }
         if !settlement.held_published.is_empty() || !settlement.held_rejected.is_empty() {
             let rejected: Vec<i64> = settlement.held_rejected.iter().map(|(id, _)| *id).collect();
             let errors: Vec<String> = settlement.held_rejected.iter().map(|(_, e)| e.clone()).collect();
-            finished.dead_lettered += Spi::get_one_with_args::<i64>(
+            finished.dead_lettered += first::<i64>(&db.query(
                 SETTLE_HELD,
                 &[
                     settlement.held_published.into(),
@@ -140,48 +121,41 @@ pub fn finish(
                     max_attempts.into(),
                     retry_delay_ms.into(),
                 ],
-            )
-            .map_err(spi)?
+            )?)?
             .unwrap_or(0);
         }
         if !shards.is_empty() || !counter_types.is_empty() || !journal_ids.is_empty() {
-            Spi::connect_mut(|client| {
-                let advance = statements.get(client, Statement::Advance, ADVANCE, &ADVANCE_TYPES)?;
-                client.update(
-                    advance,
-                    None,
-                    &[
-                        pid.into(),
-                        shards.into(),
-                        cursors.into(),
-                        window_uptos.into(),
-                        window_max_ids.into(),
-                        window_last_ids.into(),
-                        counter_types.into(),
-                        counter_ids.into(),
-                        counter_seqs.into(),
-                        counted.into(),
-                        journal_ids.into(),
-                        journal_seqs.into(),
-                        journal_streams.into(),
-                    ],
-                )?;
-                Ok::<_, pgrx::spi::Error>(())
-            })
-            .map_err(spi)?;
+            db.execute(
+                ADVANCE,
+                &[
+                    pid.into(),
+                    shards.into(),
+                    cursors.into(),
+                    window_uptos.into(),
+                    window_max_ids.into(),
+                    window_last_ids.into(),
+                    counter_types.into(),
+                    counter_ids.into(),
+                    counter_seqs.into(),
+                    counted.into(),
+                    journal_ids.into(),
+                    journal_seqs.into(),
+                    journal_streams.into(),
+                ],
+            )?;
         }
-        losses::write_marks(&settlement.marks_target, &settlement.marks).map_err(spi)?;
+        losses::write_marks_on(db, &settlement.marks_target, &settlement.marks)?;
         // Checked after the writes, in their transaction: the rows they touched stay locked until
         // it ends, so a DROP EXTENSION cannot slip in between this check and the commit.
         if installation() != read_from {
-            return Err("outbox_pg was dropped and created again while this batch was being published; \
-                        nothing was finished"
-                .to_string());
+            return Err(DbError::new(
+                "outbox_pg was dropped and created again while this batch was being published; nothing was finished",
+            ));
         }
         Ok(finished)
     });
     if finished.is_err() || holds {
         state.forget_kept_claim();
     }
-    finished
+    finished.map_err(String::from)
 }

@@ -111,12 +111,13 @@ impl RoundAllowance {
 /// The round's statements that run most often, prepared once per relay and kept (`SPI_keepplan`):
 /// parsing, analysing and planning them again each round was about a tenth of a round's time when
 /// rounds carry an event or two. A kept plan is checked and, if what it uses changed (DROP and
-/// CREATE EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes stale.
+/// CREATE EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes stale. Those of the
+/// read (read.rs); the finish's are kept by the worker's connection (src/relay/spi.rs), where
+/// these move when the read runs over it.
 #[derive(Default)]
 pub struct Statements {
     claim: Option<OwnedPreparedStatement>,
     held: Option<OwnedPreparedStatement>,
-    advance: Option<OwnedPreparedStatement>,
 }
 
 /// Which kept statement.
@@ -124,7 +125,6 @@ pub struct Statements {
 pub enum Statement {
     Claim,
     Held,
-    Advance,
 }
 
 impl Statements {
@@ -139,7 +139,6 @@ impl Statements {
         let slot = match which {
             Statement::Claim => &mut self.claim,
             Statement::Held => &mut self.held,
-            Statement::Advance => &mut self.advance,
         };
         let statement = match slot.take() {
             Some(statement) => statement,

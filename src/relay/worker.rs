@@ -24,6 +24,8 @@ use crate::relay::losses::{self, MarkKeeping};
 use crate::relay::replay::{self, ReplayOutcome};
 use crate::relay::round::{self, Flight, RoundTimings, TickOutcome};
 use crate::relay::settings::{self, adopt_own_settings, redis_config, warn_about_settings};
+use crate::relay::settle;
+use crate::relay::spi::SpiDatabase;
 use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
@@ -66,6 +68,8 @@ struct Relay {
     /// Which of the `outbox.workers` relays this is.
     slot: usize,
     sink: RedisSink,
+    /// The connection the rounds run their statements on (SPI).
+    db: SpiDatabase,
     /// What the rounds keep from one to the next.
     state: RoundState,
     /// A round sent to Redis and not landed yet (src/relay/round.rs, `tick`).
@@ -159,6 +163,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     let mut relay = Relay {
         slot,
         sink: RedisSink::new(),
+        db: SpiDatabase::new(settle::KEPT),
         state: RoundState::default(),
         flight: None,
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
@@ -294,7 +299,8 @@ impl Relay {
             return Some(wait);
         }
         let mut timings = RoundTimings::default();
-        let mut outcome = round::tick(&mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
+        let mut outcome =
+            round::tick(&mut self.db, &mut self.sink, &settings, &mut self.state, &mut self.flight, &mut timings);
         // Nothing to publish: is Redis still there, and still the one the marks concern? Once per
         // poll interval, and at every retry of an outage: an idle round says nothing of Redis, and
         // taken as a recovery it logged "publishing again" every second of an outage.
@@ -395,7 +401,7 @@ impl Relay {
         if !self.repairing && raised.is_none() {
             return None;
         }
-        match losses::repairs_running(&mut self.state) {
+        match losses::repairs_running(&mut self.db, &mut self.state) {
             // Another relay may be running the repair: wait a little for it.
             Ok(true) => {
                 self.repairing = true;
@@ -408,7 +414,7 @@ impl Relay {
                 }
                 None
             }
-            Err(error) => Some(self.failed(Health::DatabaseError(error))),
+            Err(error) => Some(self.failed(Health::DatabaseError(error.into()))),
         }
     }
 
@@ -567,7 +573,7 @@ impl Relay {
     /// Frees the shards of relays that exited or hang, checks the age alert, applies retention.
     /// `Ok(true)` while there is anything to watch (undelivered events, tables being retired).
     fn housekeeping(&mut self) -> Result<bool, String> {
-        let found = match housekeeping::housekeeping(&mut self.state, guc::lease_ms())? {
+        let found = match housekeeping::housekeeping(&mut self.db, &mut self.state, guc::lease_ms())? {
             HousekeepingOutcome::Done(found) => found,
             // Also while paused: a probe of a database without outbox_pg must not stay connected
             // (holding a worker slot and a shared-memory entry) just because relaying is off.
@@ -602,7 +608,7 @@ impl Relay {
             shared::raise_repairs();
         }
 
-        let purged = housekeeping::retention(guc::retention_s())?;
+        let purged = housekeeping::retention(&mut self.db, guc::retention_s())?;
         Ok(found.oldest_pending_age.is_some() || found.reaped > 0 || purged > 0)
     }
 
@@ -716,7 +722,7 @@ impl Relay {
     /// own stored when they moved, at most once a second, so that a relay started anew knows
     /// them.
     fn keep_marks(&mut self) -> Result<(), String> {
-        self.marks.keep(&mut self.sink, self.slot)
+        self.marks.keep(&mut self.db, &mut self.sink, self.slot)
     }
 
     /// Logs what a new connection learnt of the server, then records and logs the losses the
@@ -746,7 +752,7 @@ impl Relay {
         if found.is_empty() {
             return false;
         }
-        if let Err(error) = losses::report(self.sink.marks_target(), found, guc::replay_on_loss()) {
+        if let Err(error) = losses::report(&mut self.db, self.sink.marks_target(), found, guc::replay_on_loss()) {
             warning!("outbox_pg: could not record lost Redis entries: {error}");
         }
         true
@@ -756,7 +762,7 @@ impl Relay {
     /// its Redis or exits: its replies are read and it is finished, so that nothing it published
     /// is published again, and nothing waits on a round nobody lands.
     fn land_in_flight(&mut self) {
-        match round::land_in_flight(&mut self.sink, &mut self.state, &mut self.flight) {
+        match round::land_in_flight(&mut self.db, &mut self.sink, &mut self.state, &mut self.flight) {
             Some(TickOutcome::BrokerDown { error, .. }) => {
                 self.failed(Health::BrokerDown(error.0));
             }
