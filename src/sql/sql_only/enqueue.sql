@@ -7,7 +7,8 @@
 -- library defines them), so any session may set them, and their check hooks do not run (a bad
 -- outbox.traceparent is refused by outbox_enqueue rather than by SET); the order lock is an
 -- advisory lock with the Rust lock's keys (the Rust one is of the type PostgreSQL keeps for C
--- code, LOCKTAG_USERLOCK); no relay is woken at commit.
+-- code, LOCKTAG_USERLOCK); the relays are woken at commit by a NOTIFY on outbox._wake_channel()
+-- rather than through shared memory.
 
 -- -------------------------------------------------------------------------------------------------
 -- outbox._aggregate_hash(aggregate_type, aggregate_id)
@@ -111,6 +112,20 @@ END
 $fn$;
 COMMENT ON FUNCTION outbox._lock_aggregate(bigint) IS
     'Internal (SQL-only install): takes the aggregate''s order lock until the transaction ends, or the past-the-cap lock beyond 256';
+
+-- -------------------------------------------------------------------------------------------------
+-- The commit wake-up (docs/sql-only.md, "Commit wake-up"): relays outside the server LISTEN on this
+-- channel, and outbox_enqueue notifies it with an empty payload. PostgreSQL folds a transaction's
+-- identical notifications into one, delivers it at commit, drops it at rollback or with the
+-- subtransaction that sent it, and only to listeners in this database. Empty, because the relay
+-- reads every shard when woken, and LISTEN needs no privilege: a payload would show any role that
+-- can connect what is being written.
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._wake_channel() RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $fn$ SELECT 'outbox_pg'::text $fn$;
+COMMENT ON FUNCTION outbox._wake_channel() IS
+    'Internal (SQL-only install): the channel outbox_enqueue notifies at commit, which relays outside the server listen on';
 
 CREATE FUNCTION outbox._enqueue_in_progress(aggregate_type text, aggregate_id text) RETURNS boolean
 LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE STRICT
@@ -474,6 +489,10 @@ BEGIN
     -- Right before the id is drawn: enqueues of one aggregate take turns until commit.
     hash := outbox._aggregate_hash(aggregate_type, aggregate_id);
     PERFORM outbox._lock_aggregate(hash);
+    -- Wakes the relays at commit. Sent by every call: PostgreSQL keeps one per transaction, and
+    -- its look-up of the ones pending costs less than a check of our own that this is the first
+    -- (docs/sql-only.md has the figures).
+    PERFORM pg_notify(outbox._wake_channel(), '');
     shard := (hash & 15)::smallint;
     -- A UUIDv7: the Unix time in milliseconds, the version, then a random UUID's random bits.
     random_hex := replace(gen_random_uuid()::text, '-', '');

@@ -6,7 +6,8 @@
 --
 -- No relay runs inside this server: the functions that report the in-server relays answer as the
 -- extension does where its library is not preloaded (no pid, not connected, no rows), and the
--- commit wake-ups are no-ops (an outside relay finds the work when it polls).
+-- commit wake-ups for a replay and an adopted copy are no-ops (an outside relay finds that work
+-- when it polls). outbox_enqueue's wake-up is a NOTIFY (enqueue.sql).
 
 CREATE FUNCTION outbox.relay_pid() RETURNS integer
 LANGUAGE sql VOLATILE PARALLEL SAFE STRICT
