@@ -6,13 +6,19 @@
 //! and a rollback, the same refusals for README's bad-input table (SQLSTATE, message and hint),
 //! the same shards and order-lock keys, the same order-lock cap, the same objects (functions,
 //! columns, privileges). A second run of the script stops and changes nothing. The pg_tle
-//! variant's body is the same SQL, and installs as an extension script run by the owner.
+//! variant's body is the same SQL, and installs as an extension script run by the owner. Its
+//! `outbox_enqueue` wakes relays outside the server with one NOTIFY per committed transaction
+//! (issue 37, step 3), where the extension's wakes its relays through shared memory and notifies
+//! no one.
 
 mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
+
+use postgres::fallible_iterator::FallibleIterator;
 
 use common::*;
 
@@ -568,6 +574,135 @@ fn the_order_lock_cap_is_kept_as_in_the_extension() {
     let ours = cap_steps(&mut connect_as(&only.pg, DATABASE, WRITER), &mut connect_as(&only.pg, DATABASE, OWNER));
     assert_eq!(theirs, [(250, true), (250, true), (256, true), (256, true), (256, false), (256, false), (0, true)]);
     assert_eq!(ours, theirs);
+}
+
+/// A session LISTENing on the channel relays outside the server are woken on.
+struct Listener {
+    client: postgres::Client,
+    channel: String,
+    markers: u32,
+}
+
+impl Listener {
+    fn start(pg: &Cluster, database: &str) -> Listener {
+        let mut client = connect_as(pg, database, OWNER);
+        let channel: String = client.query_one("SELECT outbox._wake_channel()", &[]).unwrap().get(0);
+        assert_eq!(channel, "outbox_pg");
+        client.batch_execute(&format!("LISTEN {channel}")).unwrap();
+        Listener { client, channel, markers: 0 }
+    }
+
+    /// The notifications (sending backend's pid, payload) that arrive before a marker that
+    /// `writer` commits now. PostgreSQL delivers notifications in commit order, so the marker is a
+    /// positive barrier: whatever `writer` committed before it has arrived by then, and what did
+    /// not arrive was not sent.
+    fn received_before_marker(&mut self, writer: &mut postgres::Client) -> Vec<(i32, String)> {
+        self.markers += 1;
+        let marker = format!("tests marker {}", self.markers);
+        writer.execute("SELECT pg_notify($1, $2)", &[&self.channel, &marker]).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut received = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let next = self.client.notifications().timeout_iter(left).next().unwrap();
+            let Some(notification) = next else { panic!("no {marker:?} within 60 s; received {received:?}") };
+            assert_eq!(notification.channel(), self.channel);
+            if notification.payload() == marker {
+                return received;
+            }
+            received.push((notification.process_id(), notification.payload().to_string()));
+        }
+    }
+}
+
+/// A SQL-only install, a listener, and a writer with its backend's pid.
+fn notify_setup() -> (SqlOnly, Listener, postgres::Client, i32) {
+    let only = SqlOnly::start();
+    let listener = Listener::start(&only.pg, DATABASE);
+    let mut writer = connect_as(&only.pg, DATABASE, WRITER);
+    let pid: i32 = writer.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    (only, listener, writer, pid)
+}
+
+#[test]
+fn a_committed_transaction_of_several_enqueues_notifies_once() {
+    let (_only, mut listener, mut writer, pid) = notify_setup();
+    let mut tx = writer.transaction().unwrap();
+    tx.batch_execute(
+        "SELECT count(outbox_enqueue(t, n::text, 'e', '{}')) FROM unnest(ARRAY['payment', 'order']) t, generate_series(1, 20) n;
+         SAVEPOINT s;
+         SELECT outbox_enqueue('refund', 7::bigint, 'e', '{}');
+         RELEASE SAVEPOINT s;
+         SELECT outbox_enqueue('payment', '1', 'e', '{}');",
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    assert_eq!(listener.received_before_marker(&mut writer), [(pid, String::new())]);
+}
+
+#[test]
+fn a_rolled_back_transaction_notifies_no_one() {
+    let (_only, mut listener, mut writer, _) = notify_setup();
+    let mut tx = writer.transaction().unwrap();
+    tx.batch_execute("SELECT count(outbox_enqueue('payment', n::text, 'e', '{}')) FROM generate_series(1, 5) n")
+        .unwrap();
+    tx.rollback().unwrap();
+    // And one that a refused enqueue aborted after an accepted one.
+    let mut tx = writer.transaction().unwrap();
+    tx.batch_execute("SELECT outbox_enqueue('payment', '1', 'e', '{}')").unwrap();
+    tx.batch_execute("SELECT outbox_enqueue('payment', '', 'e', '{}')").unwrap_err();
+    drop(tx);
+    assert_eq!(listener.received_before_marker(&mut writer), []);
+}
+
+#[test]
+fn a_rolled_back_savepoint_drops_its_notification_and_a_later_enqueue_sends_one() {
+    let (_only, mut listener, mut writer, pid) = notify_setup();
+    let mut tx = writer.transaction().unwrap();
+    tx.batch_execute(
+        "SAVEPOINT s;
+         SELECT outbox_enqueue('payment', '1', 'e', '{}');
+         SELECT outbox_enqueue('payment', '2', 'e', '{}');
+         ROLLBACK TO SAVEPOINT s;
+         SELECT outbox_enqueue('payment', '3', 'e', '{}');",
+    )
+    .unwrap();
+    tx.commit().unwrap();
+    assert_eq!(listener.received_before_marker(&mut writer), [(pid, String::new())]);
+    // Only what the savepoint enqueued, rolled back: the commit has nothing to wake a relay for.
+    let mut tx = writer.transaction().unwrap();
+    tx.batch_execute("SAVEPOINT s; SELECT outbox_enqueue('payment', '1', 'e', '{}'); ROLLBACK TO SAVEPOINT s;")
+        .unwrap();
+    tx.commit().unwrap();
+    assert_eq!(listener.received_before_marker(&mut writer), []);
+}
+
+#[test]
+fn every_signature_of_outbox_enqueue_notifies() {
+    let (_only, mut listener, mut writer, pid) = notify_setup();
+    for call in [
+        "SELECT outbox_enqueue('payment', '42', 'e', '{}')",
+        "SELECT outbox_enqueue('payment', 42::bigint, 'e', '{}')",
+        "SELECT outbox_enqueue('payment', '6d9b7a6e-5f4b-4c1f-9a55-0a3c7d1c2b11'::uuid, 'e', '{}')",
+    ] {
+        writer.batch_execute(call).unwrap();
+        assert_eq!(listener.received_before_marker(&mut writer), [(pid, String::new())], "{call}");
+    }
+}
+
+/// The extension's enqueue wakes its relays through shared memory and notifies no one
+/// (docs/sql-only.md, "What differs").
+#[test]
+fn the_extensions_enqueue_sends_no_notification() {
+    let ext = extension_cluster();
+    let mut client = ext.connect();
+    let channel = "outbox_pg";
+    client.batch_execute(&format!("LISTEN {channel}")).unwrap();
+    let mut writer = ext.connect();
+    writer.batch_execute("SELECT outbox_enqueue('payment', '42', 'e', '{}')").unwrap();
+    writer.execute("SELECT pg_notify($1, 'tests marker')", &[&channel]).unwrap();
+    let first = client.notifications().timeout_iter(Duration::from_secs(60)).next().unwrap();
+    assert_eq!(first.map(|n| n.payload().to_string()), Some("tests marker".into()));
 }
 
 /// Run a second time, the script stops at its first error (the schema exists) and changes nothing.
