@@ -2,7 +2,7 @@
 //! tests' and left running for a shell script.
 //!
 //! ```text
-//! outbox-servers up --dir D [--pg-config PATH] [--setting LINE]... [--redis-cluster MASTERS]
+//! outbox-servers up --dir D [--pg-config PATH] [--setting LINE]... [--redis-cluster MASTERS] [--sql-only]
 //! outbox-servers down --dir D
 //! ```
 //!
@@ -12,6 +12,8 @@
 //! Redis Cluster of MASTERS masters without replicas, and prints shell assignments for `eval`:
 //! `PG_PORT`, `PG_BIN`, `PG_LOG`, `REDIS_PORT`, `REDIS_LOG` and `CLUSTER_URL`. The same lines
 //! are kept in D/servers.env, which `down` reads to stop every server; the logs stay in D.
+//! `--sql-only`: a server that does not preload the library and has no extension, for the SQL-only
+//! install (docs/sql-only.md).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -20,7 +22,8 @@ use std::time::Duration;
 
 use outbox_testkit::{as_server_user, Cluster, ClusterOptions, PgInstall, Redis, RedisCluster, RedisOptions};
 
-const USAGE: &str = "usage: outbox-servers up --dir D [--pg-config PATH] [--setting LINE]... [--redis-cluster MASTERS]
+const USAGE: &str =
+    "usage: outbox-servers up --dir D [--pg-config PATH] [--setting LINE]... [--redis-cluster MASTERS] [--sql-only]
        outbox-servers down --dir D";
 
 /// What `up` was asked for.
@@ -29,6 +32,7 @@ struct Up {
     pg_config: PathBuf,
     settings: Vec<String>,
     cluster_masters: Option<usize>,
+    sql_only: bool,
 }
 
 fn parse(args: &[String]) -> Result<(String, Up), String> {
@@ -38,6 +42,7 @@ fn parse(args: &[String]) -> Result<(String, Up), String> {
         pg_config: std::env::var_os("PG_CONFIG").map_or_else(outbox_testkit::default_pg_config, PathBuf::from),
         settings: Vec::new(),
         cluster_masters: None,
+        sql_only: false,
     };
     let mut rest = rest.iter();
     while let Some(flag) = rest.next() {
@@ -51,6 +56,7 @@ fn parse(args: &[String]) -> Result<(String, Up), String> {
                 up.cluster_masters =
                     Some(masters.parse().map_err(|_| format!("--redis-cluster: {masters:?} is not a number"))?);
             }
+            "--sql-only" => up.sql_only = true,
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
@@ -75,14 +81,14 @@ fn up(up: &Up) -> String {
         |name: &str| RedisOptions { dir: Some(up.dir.join(name)), own_process_group: true, ..Default::default() };
     let redis = Redis::start_options(keep("redis"));
     let install = PgInstall::at(&up.pg_config);
-    let pg = Cluster::builder(&install)
-        .dir(up.dir.join("pg"))
-        .outbox_relaying_to(&redis.url())
-        .settings(&up.settings)
-        .start();
-    pg.connect()
-        .batch_execute("CREATE EXTENSION outbox_pg")
-        .unwrap_or_else(|e| panic!("CREATE EXTENSION outbox_pg: {e}"));
+    let builder = Cluster::builder(&install).dir(up.dir.join("pg"));
+    let builder = if up.sql_only { builder } else { builder.outbox_relaying_to(&redis.url()) };
+    let pg = builder.settings(&up.settings).start();
+    if !up.sql_only {
+        pg.connect()
+            .batch_execute("CREATE EXTENSION outbox_pg")
+            .unwrap_or_else(|e| panic!("CREATE EXTENSION outbox_pg: {e}"));
+    }
     let cluster = up.cluster_masters.map(|masters| {
         RedisCluster::start_with(ClusterOptions {
             masters,

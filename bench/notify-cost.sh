@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# What the SQL-only install's commit wake-up (a NOTIFY from outbox_enqueue, docs/sql-only.md) costs
+# the writers: pgbench against a private server without the library, with the NOTIFY and without.
+#   bash bench/notify-cost.sh [SECONDS]          # SECONDS per run: 30 (default)
+# Starts a private PostgreSQL (bench settings: fsync on, synchronous_commit on) that does not load
+# the library, and installs `bash scripts/sql-only.sh` twice: in database `notify` as it is, in
+# database `silent` without outbox_enqueue's pg_notify line (nothing else differs). Then, for a
+# transaction of one outbox_enqueue and one of ten, with no session listening and with one idle
+# session that LISTENs and never reads: pgbench -c 8 -j 2 -T SECONDS, alternating notify / silent /
+# notify / silent, the log emptied and checkpointed before each run. Prints one line per run, then
+# the notify queue's use and the listener's wait when a listener was there. bench/results/
+# notify-cost.md has a run's figures and what they say.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-30}
+export PATH="$HOME/.cargo/bin:$PATH"
+PG_CONFIG=${PG_CONFIG:-$(bash scripts/pg-config.sh "${PG_MAJOR:-15}")}
+cargo build -q -p outbox-testkit --bin outbox-servers
+SERVERS=${CARGO_TARGET_DIR:-target}/debug/outbox-servers
+DIR=/tmp/opg-notify-cost
+"$SERVERS" down --dir "$DIR" >/dev/null 2>&1 || true
+rm -rf "$DIR"
+listener_pid=""
+cleanup() {
+  if [ -n "$listener_pid" ]; then
+    exec 3>&- || true
+    wait "$listener_pid" || true
+  fi
+  "$SERVERS" down --dir "$DIR" >/dev/null
+}
+trap cleanup EXIT
+servers=$("$SERVERS" up --dir "$DIR" --sql-only --pg-config "$PG_CONFIG" --setting "shared_buffers = '512MB'" \
+  --setting "max_wal_size = '4GB'")
+eval "$servers"
+psql() { "$PG_BIN/psql" -X -q -At -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 "$@"; }
+bash scripts/sql-only.sh >"$DIR/notify.sql"
+grep -c "PERFORM pg_notify(outbox._wake_channel(), '');" "$DIR/notify.sql" | grep -qx 1 ||
+  { echo "notify-cost.sh: outbox_enqueue's pg_notify line is not where this script looks for it" >&2; exit 1; }
+grep -v "PERFORM pg_notify(outbox._wake_channel(), '');" "$DIR/notify.sql" >"$DIR/silent.sql"
+for db in notify silent; do
+  psql -d postgres -c "CREATE DATABASE $db"
+  psql -d "$db" -f "$DIR/$db.sql"
+done
+channel=$(psql -d notify -c "SELECT outbox._wake_channel()")
+listener_query="SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND state = 'idle'"
+# One transaction of one enqueue (autocommit), and one of ten; aggregates drawn from 100,000, so
+# that the 8 clients' order locks rarely meet.
+cat >"$DIR/one.sql" <<'EOF'
+\set aggregate random(1, 100000)
+SELECT outbox_enqueue('bench', :aggregate::text, 'bench.created', '{"n": 1, "pad": "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}');
+EOF
+cat >"$DIR/ten.sql" <<'EOF'
+\set aggregate random(1, 100000)
+SELECT count(outbox_enqueue('bench', (:aggregate + n)::text, 'bench.created', '{"n": 1, "pad": "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"}')) FROM generate_series(1, 10) n;
+EOF
+echo "PostgreSQL: $("$PG_BIN/postgres" --version); $(nproc) cores; $(uname -r); pgbench -c 8 -j 2 -T $seconds"
+for listening in no yes; do
+  for script in one ten; do
+    for db in notify silent notify silent; do
+      if [ "$listening" = yes ]; then
+        # An idle session that LISTENs and never reads: psql waits on its input, not on the socket.
+        rm -f "$DIR/listen.fifo"
+        mkfifo "$DIR/listen.fifo"
+        "$PG_BIN/psql" -X -h 127.0.0.1 -p "$PG_PORT" -U postgres -d "$db" <"$DIR/listen.fifo" >"$DIR/listener.out" 2>&1 &
+        listener_pid=$!
+        exec 3>"$DIR/listen.fifo"
+        echo "LISTEN $channel;" >&3
+        deadline=$((SECONDS + 60))
+        until [ "$(psql -d postgres -c "$listener_query")" = 1 ]; do
+          [ $SECONDS -lt $deadline ] || { echo "notify-cost.sh: the listener did not LISTEN" >&2; exit 1; }
+          sleep 0.01
+        done
+      fi
+      psql -d "$db" -c "TRUNCATE outbox.events_0, outbox.events_1, outbox.events_2" -c "CHECKPOINT"
+      out=$("$PG_BIN/pgbench" -n -c 8 -j 2 -T "$seconds" -f "$DIR/$script.sql" -h 127.0.0.1 -p "$PG_PORT" -U postgres "$db" 2>&1)
+      tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)$/\1/p' <<<"$out")
+      latency=$(sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p' <<<"$out")
+      [ -n "$tps" ] || { echo "$out" >&2; exit 1; }
+      line="listener=$listening enqueues=$script db=$db tps=$tps latency_ms=$latency"
+      if [ "$listening" = yes ]; then
+        usage=$(psql -d "$db" -c "SELECT pg_notification_queue_usage()")
+        wait_event=$(psql -d postgres -c "SELECT coalesce(wait_event, '-') FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
+        line="$line queue_usage=$usage listener_wait=$wait_event"
+        exec 3>&-
+        wait "$listener_pid" || true
+        listener_pid=""
+      fi
+      echo "$line"
+    done
+  done
+done
+grep -i "notify\|notification" "$PG_LOG" || echo "server log: no line about notifications"
