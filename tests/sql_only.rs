@@ -576,7 +576,8 @@ fn the_order_lock_cap_is_kept_as_in_the_extension() {
     assert_eq!(ours, theirs);
 }
 
-/// A session LISTENing on the channel relays outside the server are woken on.
+/// A session LISTENing on the channel relays outside the server are woken on: a relay asleep when
+/// it holds the wake key, as a sleeping relay does.
 struct Listener {
     client: postgres::Client,
     channel: String,
@@ -585,11 +586,22 @@ struct Listener {
 
 impl Listener {
     fn start(pg: &Cluster, database: &str) -> Listener {
+        let mut listener = Listener::awake(pg, database);
+        listener.client.batch_execute("SELECT pg_advisory_lock(outbox._wake_key())").unwrap();
+        listener
+    }
+
+    fn awake(pg: &Cluster, database: &str) -> Listener {
         let mut client = connect_as(pg, database, OWNER);
         let channel: String = client.query_one("SELECT outbox._wake_channel()", &[]).unwrap().get(0);
         assert_eq!(channel, "outbox_pg");
         client.batch_execute(&format!("LISTEN {channel}")).unwrap();
         Listener { client, channel, markers: 0 }
+    }
+
+    /// Whether the relay could fall asleep now: no writer shares the wake key.
+    fn try_to_sleep(&mut self) -> bool {
+        self.client.query_one("SELECT pg_try_advisory_lock(outbox._wake_key())", &[]).unwrap().get(0)
     }
 
     /// The notifications (sending backend's pid, payload) that arrive before a marker that
@@ -688,6 +700,42 @@ fn every_signature_of_outbox_enqueue_notifies() {
         writer.batch_execute(call).unwrap();
         assert_eq!(listener.received_before_marker(&mut writer), [(pid, String::new())], "{call}");
     }
+}
+
+/// While no relay sleeps, writers send no NOTIFY (a notifying commit flushes the WAL alone).
+#[test]
+fn writers_notify_no_one_while_the_relays_are_awake() {
+    let only = SqlOnly::start();
+    let mut listener = Listener::awake(&only.pg, DATABASE);
+    let mut writer = connect_as(&only.pg, DATABASE, WRITER);
+    writer
+        .batch_execute("SELECT count(outbox_enqueue('payment', n::text, 'e', '{}')) FROM generate_series(1, 5) n")
+        .unwrap();
+    assert_eq!(listener.received_before_marker(&mut writer), []);
+}
+
+/// A relay cannot fall asleep while a writer that found it awake has not committed, so the
+/// relay's look for work after falling asleep finds that writer's events; a writer that finds it
+/// asleep notifies. Stepped in a fixed order, as PostgreSQL's isolation tester would.
+#[test]
+fn a_writer_in_flight_keeps_the_relay_awake_until_it_commits() {
+    let only = SqlOnly::start();
+    let mut relay = Listener::awake(&only.pg, DATABASE);
+    let mut writer = connect_as(&only.pg, DATABASE, WRITER);
+    let pid: i32 = writer.query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    // 1. The writer enqueues while the relay is awake, and has not committed.
+    let mut tx = writer.transaction().unwrap();
+    tx.batch_execute("SELECT outbox_enqueue('payment', '1', 'e', '{}')").unwrap();
+    // 2. The relay, done with its rounds, cannot fall asleep.
+    assert!(!relay.try_to_sleep(), "the relay fell asleep while a writer it did not wake was in flight");
+    // 3. The writer commits: the relay may sleep now, and its last look sees the event.
+    tx.commit().unwrap();
+    assert!(relay.try_to_sleep());
+    let seen: i64 = relay.client.query_one("SELECT count(*) FROM outbox.messages", &[]).unwrap().get(0);
+    assert_eq!(seen, 1);
+    // 4. A writer that comes now finds the relay asleep, and wakes it at its commit.
+    writer.batch_execute("SELECT outbox_enqueue('payment', '2', 'e', '{}')").unwrap();
+    assert_eq!(relay.received_before_marker(&mut writer), [(pid, String::new())]);
 }
 
 /// The extension's enqueue wakes its relays through shared memory and notifies no one
