@@ -4,9 +4,10 @@
 #   bash bench/notify-cost.sh [SECONDS]          # SECONDS per run: 30 (default)
 # Starts a private PostgreSQL (bench settings: fsync on, synchronous_commit on) that does not load
 # the library, and installs `bash scripts/sql-only.sh` twice: in database `notify` as it is, in
-# database `silent` without outbox_enqueue's pg_notify line (nothing else differs). Then, for a
-# transaction of one outbox_enqueue and one of ten, with no session listening and with one idle
-# session that LISTENs and never reads: pgbench -c 8 -j 2 -T SECONDS, alternating notify / silent /
+# database `silent` without outbox_enqueue's wake-up (nothing else differs). Then, for a
+# transaction of one outbox_enqueue and one of ten, with no relay asleep (writers share the wake
+# key and do not notify) and with one, an idle session that holds the key, LISTENs and never reads
+# (every writer notifies): pgbench -c 8 -j 2 -T SECONDS, alternating notify / silent /
 # notify / silent, the log emptied and checkpointed before each run. Prints one line per run: tps,
 # latency, the WAL flushes and their average time (pg_stat_wal), and with a listener the notify
 # queue's use, the listener's wait event and the bytes unread in its socket. Last, what 200 MB of
@@ -36,9 +37,11 @@ servers=$("$SERVERS" up --dir "$DIR" --sql-only --pg-config "$PG_CONFIG" --setti
 eval "$servers"
 psql() { "$PG_BIN/psql" -X -q -At -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 "$@"; }
 bash scripts/sql-only.sh >"$DIR/notify.sql"
-grep -c "PERFORM pg_notify(outbox._wake_channel(), '');" "$DIR/notify.sql" | grep -qx 1 ||
-  { echo "notify-cost.sh: outbox_enqueue's pg_notify line is not where this script looks for it" >&2; exit 1; }
-grep -v "PERFORM pg_notify(outbox._wake_channel(), '');" "$DIR/notify.sql" >"$DIR/silent.sql"
+gate="IF NOT pg_try_advisory_xact_lock_shared(outbox._wake_key()) THEN"
+grep -cF "$gate" "$DIR/notify.sql" | grep -qx 1 ||
+  { echo "notify-cost.sh: outbox_enqueue's wake-up is not where this script looks for it" >&2; exit 1; }
+# silent: neither the wake key nor the NOTIFY.
+sed "s/$gate/IF false THEN/" "$DIR/notify.sql" >"$DIR/silent.sql"
 for db in notify silent; do
   psql -d postgres -c "CREATE DATABASE $db"
   psql -d "$db" -f "$DIR/$db.sql"
@@ -46,7 +49,8 @@ done
 channel=$(psql -d notify -c "SELECT outbox._wake_channel()")
 # The bytes the kernel holds for the listener's psql, unread (its socket's Recv-Q).
 unread_bytes() { ss -Htnp state established 2>/dev/null | awk -v pid="pid=$listener_pid," 'index($0, pid) { print $1 }'; }
-# An idle session of database $1 that LISTENs and never reads: psql waits on its input (the fifo,
+# An idle session of database $1 that sleeps as a relay outside the server does (holds the wake
+# key, LISTENs), and never reads: every writer then notifies. psql waits on its input (the fifo,
 # fd 3 here), not on its socket. Returns once it listens; closing fd 3 ends it.
 start_listener() {
   rm -f "$DIR/listen.fifo"
@@ -54,7 +58,7 @@ start_listener() {
   "$PG_BIN/psql" -X -h 127.0.0.1 -p "$PG_PORT" -U postgres -d "$1" <"$DIR/listen.fifo" >"$DIR/listener.out" 2>&1 &
   listener_pid=$!
   exec 3>"$DIR/listen.fifo"
-  echo "LISTEN $channel;" >&3
+  echo "SELECT pg_advisory_lock(outbox._wake_key()) WHERE '$1' = 'notify'; LISTEN $channel;" >&3
   local deadline=$((SECONDS + 60))
   until [ "$(psql -d postgres -c "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND state = 'idle'")" = 1 ]; do
     [ $SECONDS -lt $deadline ] || { echo "notify-cost.sh: the listener did not LISTEN" >&2; exit 1; }
