@@ -81,6 +81,10 @@ pub trait FromValue: Sized {
     /// The value, None for a NULL; an error (what was found instead) for a value of another kind.
     /// Integers widen (an `int4` column reads as `i64`), nothing narrows.
     fn from_value(value: &Value) -> Result<Option<Self>, String>;
+
+    /// `from_value`, moving the value out (a text or an array is not copied); the value back when
+    /// it is of another kind.
+    fn from_owned(value: Value) -> Result<Option<Self>, Value>;
 }
 
 fn mismatch<T>(wanted: Kind, value: &Value) -> Result<Option<T>, String> {
@@ -97,6 +101,15 @@ macro_rules! plain {
                     Value::$kind(v) => Ok(Some(v.clone())),
                     $(Value::$wider(v) => Ok(Some(<$type>::from(*v))),)*
                     other => mismatch(Kind::$kind, other),
+                }
+            }
+
+            fn from_owned(value: Value) -> Result<Option<Self>, Value> {
+                match value {
+                    Value::Null(_) => Ok(None),
+                    Value::$kind(v) => Ok(Some(v)),
+                    $(Value::$wider(v) => Ok(Some(<$type>::from(v))),)*
+                    other => Err(other),
                 }
             }
         }
@@ -134,12 +147,19 @@ impl From<&str> for Value {
     }
 }
 
-/// Arrays without NULL elements, as most call sites build them.
+/// Arrays without NULL elements, as most call sites build them, and such an array or NULL (an
+/// optional filter).
 macro_rules! array {
     ($elem:ty, $kind:ident) => {
         impl From<Vec<$elem>> for Value {
             fn from(value: Vec<$elem>) -> Value {
                 Value::$kind(value.into_iter().map(Some).collect())
+            }
+        }
+
+        impl From<Option<Vec<$elem>>> for Value {
+            fn from(value: Option<Vec<$elem>>) -> Value {
+                value.map_or(Value::Null(Kind::$kind), Value::from)
             }
         }
     };
@@ -178,6 +198,22 @@ impl Row {
             .get(column)
             .ok_or_else(|| DbError::new(format!("column {column} of a row of {} columns was read", self.len())))?;
         T::from_value(value).map_err(|found| DbError::new(format!("column {column}: {found}")))
+    }
+
+    /// `get`, moving the value out of the row (a NULL is left in its place): a text or an array
+    /// read once is not copied, as the events' payloads read from a statement.
+    pub fn take<T: FromValue>(&mut self, column: usize) -> Result<Option<T>, DbError> {
+        let columns = self.len();
+        let value = self
+            .values
+            .get_mut(column)
+            .ok_or_else(|| DbError::new(format!("column {column} of a row of {columns} columns was read")))?;
+        let kind = value.kind();
+        T::from_owned(std::mem::replace(value, Value::Null(kind))).map_err(|found| {
+            let error = mismatch::<T>(T::KIND, &found).err().unwrap_or_default();
+            *value = found;
+            DbError::new(format!("column {column}: {error}"))
+        })
     }
 }
 
@@ -265,6 +301,8 @@ mod tests {
         assert_eq!(Value::from(vec!["a".to_string()]), Value::TextArray(vec![Some("a".to_string())]));
         assert_eq!(Value::from(vec![Some(1i64), None]), Value::Int8Array(vec![Some(1), None]));
         assert_eq!(Value::from(vec![[0u8; 16]]).kind(), Kind::UuidArray);
+        assert_eq!(Value::from(Some(vec![3i16])), Value::Int2Array(vec![Some(3)]));
+        assert_eq!(Value::from(None::<Vec<String>>), Value::Null(Kind::TextArray));
     }
 
     #[test]
@@ -273,6 +311,18 @@ mod tests {
         assert_eq!(row.get::<i64>(0), Ok(Some(5)));
         assert_eq!(row.get::<String>(1), Ok(Some("s".to_string())));
         assert_eq!(row.get::<bool>(2), Ok(None));
+    }
+
+    #[test]
+    fn a_taken_value_leaves_a_null_and_a_mismatch_leaves_the_value() {
+        let mut row = Row::new(vec![Value::Text("payload".into()), Value::Int4(4)]);
+        assert_eq!(row.take::<String>(0), Ok(Some("payload".to_string())));
+        assert_eq!(row.get::<String>(0), Ok(None));
+        assert_eq!(row.take::<i64>(1), Ok(Some(4)));
+        let mut row = Row::new(vec![Value::Int8(5)]);
+        assert_eq!(row.take::<i32>(0).unwrap_err().message, "column 0: a Int8 value where Int4 was expected");
+        assert_eq!(row.get::<i64>(0), Ok(Some(5)));
+        assert!(row.take::<i64>(1).unwrap_err().message.contains("column 1 of a row of 1 columns"));
     }
 
     #[test]
