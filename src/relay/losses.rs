@@ -14,7 +14,6 @@ use pgrx::prelude::*;
 
 use crate::log::datums::timestamptz_text;
 use crate::relay::readiness::{readiness_on, Readiness};
-use crate::relay::spi::{self, SpiDatabase};
 use crate::relay::state::RoundState;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
@@ -118,21 +117,14 @@ fn store_marks(db: &mut impl Database, target: &str, marks: &[(String, Mark)]) -
     if marks.is_empty() {
         return Ok(());
     }
-    db.transaction(|db| write_marks_on(db, target, marks))
-}
-
-/// `write_marks_on` for replay.rs, which still runs its statements through pgrx's SPI itself
-/// (docs/outside-relay.md, step 2b's second part); an error is raised.
-pub fn write_marks(target: &str, marks: &[(String, Mark)]) -> Result<(), pgrx::spi::Error> {
-    spi::in_transaction(|db| write_marks_on(db, target, marks)).unwrap_or_else(|error| spi::raise(error));
-    Ok(())
+    db.transaction(|db| write_marks(db, target, marks))
 }
 
 /// Stores marks in the transaction under way: the finish of the round whose entries they are
 /// (src/relay/settle.rs), so that a crash keeps either both or neither. A finish that marks
 /// events published with their marks still to be stored a moment later lost them to a crash in
 /// between, and with them the loss of those entries, if Redis lost them too (issue 35).
-pub fn write_marks_on(db: &mut dyn Statements, target: &str, marks: &[(String, Mark)]) -> Result<(), DbError> {
+pub fn write_marks(db: &mut dyn Statements, target: &str, marks: &[(String, Mark)]) -> Result<(), DbError> {
     if marks.is_empty() {
         return Ok(());
     }
@@ -161,15 +153,9 @@ fn stored_marks(db: &mut impl Database, target: &str) -> Result<Vec<(String, Mar
     })
 }
 
-/// `report_found_on` for replay.rs (docs/outside-relay.md, step 2b's second part), on a connection
-/// of its own that keeps no plan.
-pub fn report_found(sink: &mut RedisSink) -> Result<(), String> {
-    report_found_on(&mut SpiDatabase::new(&[]), sink)
-}
-
 /// Records the losses the sink's checks found, if any, before a round that wrote after those
 /// checks is finished; on failure they stay in the sink, and the caller finishes nothing.
-pub fn report_found_on(db: &mut impl Database, sink: &mut RedisSink) -> Result<(), String> {
+pub fn report_found(db: &mut impl Database, sink: &mut RedisSink) -> Result<(), String> {
     let found = sink.take_losses();
     if found.is_empty() {
         return Ok(());

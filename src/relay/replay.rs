@@ -11,18 +11,18 @@
 //! backoff (its entries may be sent twice, which consumers deduplicating by `event_id` absorb).
 
 use std::collections::{HashMap, VecDeque};
-use std::panic::AssertUnwindSafe;
 use std::time::{Duration, SystemTime};
 
+use outbox_round::db::{first, Database, DbError, Row, Value};
 use outbox_sink::entry::{render_stream_template, OutboxEvent, TraceContext};
 use outbox_sink::redis::{BrokerError, EntryOutcome, RedisSink};
 use pgrx::prelude::*;
 
 use crate::enqueue::streams;
-use crate::relay::readiness::{readiness, Readiness};
+use crate::relay::losses;
+use crate::relay::readiness::{readiness_on, Readiness};
 use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
-use crate::relay::txn;
 
 /// The most events one replay round sends.
 pub const ROUND_EVENTS: usize = 1_000;
@@ -113,7 +113,7 @@ struct Claimed {
 impl Claimed {
     /// The arguments of SELECT and EVENTS, which apply the same selection to the event ids given:
     /// `$1` the ids, then the range and the filters.
-    fn selection_args(&self, ids: Vec<String>) -> [pgrx::datum::DatumWithOid<'static>; 5] {
+    fn selection_args(&self, ids: Vec<String>) -> [Value; 5] {
         [
             ids.into(),
             self.since.clone().into(),
@@ -139,12 +139,13 @@ struct Walked {
 
 /// Runs one replay round, if a replay is running and this relay may take it.
 pub fn replay_round(
+    db: &mut impl Database,
     sink: &mut RedisSink,
     settings: &TickSettings,
     state: &mut RoundState,
     limits: Limits,
 ) -> ReplayOutcome {
-    let walked = match walk(settings, state, limits) {
+    let walked = match walk(db, settings, state, limits) {
         Ok(Walk::Walked(walked)) => walked,
         Ok(Walk::NoneRunning) => return ReplayOutcome::Nothing,
         Ok(Walk::NoneClaimable) => return ReplayOutcome::Waiting,
@@ -181,14 +182,14 @@ pub fn replay_round(
     let pid = settings.pid;
     // Losses found before this round wrote, then, with the progress, the marks of what Redis
     // acknowledged (as a live round's finish does).
-    if let Err(error) = crate::relay::losses::report_found(sink) {
+    if let Err(error) = losses::report_found(db, sink) {
         return ReplayOutcome::DatabaseError(error);
     }
     let (marks_target, marks) = (sink.marks_target(), sink.take_dirty_marks());
     let kept = marks.clone();
-    let recorded = txn::run(move || -> Result<Vec<(i64, String)>, pgrx::spi::Error> {
-        crate::relay::losses::write_marks(&marks_target, &marks)?;
-        Spi::get_one_with_args::<bool>(
+    let recorded = db.transaction(|db| {
+        losses::write_marks(db, &marks_target, &marks)?;
+        first::<bool>(&db.query(
             PROGRESS,
             &[
                 id.into(),
@@ -204,16 +205,14 @@ pub fn replay_round(
                 done.into(),
                 throttled_until.into(),
             ],
-        )?;
+        )?)?;
         if !done {
             return Ok(Vec::new());
         }
-        Spi::connect(|client| {
-            client
-                .select(UNREPAIRED, None, &[id.into()])?
-                .map(|row| Ok((row.get::<i64>(1)?.unwrap_or_default(), row.get::<String>(2)?.unwrap_or_default())))
-                .collect()
-        })
+        db.query(UNREPAIRED, &[id.into()])?
+            .iter()
+            .map(|row| Ok((row.get::<i64>(0)?.unwrap_or_default(), row.get::<String>(1)?.unwrap_or_default())))
+            .collect::<Result<Vec<(i64, String)>, DbError>>()
     });
     match recorded {
         Ok(unrepaired) => {
@@ -232,7 +231,7 @@ pub fn replay_round(
         }
         Err(error) => {
             sink.marks_not_stored(kept);
-            ReplayOutcome::DatabaseError(error)
+            ReplayOutcome::DatabaseError(error.into())
         }
     }
 }
@@ -268,35 +267,43 @@ enum Walk {
     NoneClaimable,
 }
 
+/// A text array column without its NULL elements (there are none: the filters' arrays).
+fn texts(row: &Row, column: usize) -> Result<Option<Vec<String>>, DbError> {
+    Ok(row.get::<Vec<Option<String>>>(column)?.map(|texts| texts.into_iter().flatten().collect()))
+}
+
 /// Claims a replay and reads its next round, in one short transaction.
-fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Result<Walk, String> {
-    let settings = settings.clone();
-    let state = AssertUnwindSafe(state);
-    txn::run(move || -> Result<Walk, pgrx::spi::Error> {
-        let mut state = state;
-        let state: &mut RoundState = &mut state;
-        if !matches!(readiness(state)?, Readiness::Ready(_)) {
+fn walk(
+    db: &mut impl Database,
+    settings: &TickSettings,
+    state: &mut RoundState,
+    limits: Limits,
+) -> Result<Walk, String> {
+    let walked = db.transaction(|client| {
+        if !matches!(readiness_on(client, state)?, Readiness::Ready(_)) {
             return Ok(Walk::NoneRunning);
         }
         let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
-        Spi::connect_mut(|client| {
-            let Some(row) = client.update(CLAIM, Some(1), &[settings.pid.into(), lease_ms.into()])?.next() else {
-                let running = client.select(REPLAYS_RUNNING, None, &[])?.first().get_one::<bool>()?.unwrap_or(false);
+        {
+            // At most one row (src/sql/replay.sql).
+            let claimed = client.query(CLAIM, &[settings.pid.into(), lease_ms.into()])?;
+            let Some(row) = claimed.first() else {
+                let running = first::<bool>(&client.query(REPLAYS_RUNNING, &[])?)?.unwrap_or(false);
                 return Ok(if running { Walk::NoneClaimable } else { Walk::NoneRunning });
             };
             let replay = Claimed {
-                id: row.get::<i64>(1)?.unwrap_or_default(),
-                since: row.get::<String>(2)?.unwrap_or_default(),
-                next_round: row.get::<i64>(3)?.unwrap_or_default(),
-                next_index: row.get::<i32>(4)?.unwrap_or_default(),
-                last_round: row.get::<i64>(5)?.unwrap_or_default(),
-                until: row.get::<String>(6)?,
-                streams: row.get::<Vec<String>>(7)?,
-                aggregate_types: row.get::<Vec<String>>(8)?,
-                by_event_ids: row.get::<bool>(9)?.unwrap_or(false),
-                to_stream: row.get::<String>(10)?,
-                max_rate: row.get::<i32>(11)?,
-                exact_streams: row.get::<bool>(12)?.unwrap_or(false),
+                id: row.get::<i64>(0)?.unwrap_or_default(),
+                since: row.get::<String>(1)?.unwrap_or_default(),
+                next_round: row.get::<i64>(2)?.unwrap_or_default(),
+                next_index: row.get::<i32>(3)?.unwrap_or_default(),
+                last_round: row.get::<i64>(4)?.unwrap_or_default(),
+                until: row.get::<String>(5)?,
+                streams: texts(row, 6)?,
+                aggregate_types: texts(row, 7)?,
+                by_event_ids: row.get::<bool>(8)?.unwrap_or(false),
+                to_stream: row.get::<String>(9)?,
+                max_rate: row.get::<i32>(10)?,
+                exact_streams: row.get::<bool>(11)?.unwrap_or(false),
             };
             // The journal's entries from the replay's position, examined a stretch at a time
             // without their payloads (`outbox._replay_select`): missing, left out, or chosen,
@@ -315,9 +322,8 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                 // examined once: a round passes over at most ROUND_WALK of them.
                 while queue.len() < want && !journal_end && examined < ROUND_WALK {
                     let max_entries = (want - queue.len()) as i32;
-                    let rounds = client.select(
+                    let rounds = client.query(
                         WALK,
-                        None,
                         &[
                             read_round.into(),
                             read_index.into(),
@@ -333,12 +339,13 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                         break;
                     }
                     for journal in rounds {
-                        let round = journal.get::<i64>(1)?.unwrap_or_default();
-                        let skip = journal.get::<i32>(2)?.unwrap_or_default().max(0);
-                        let event_ids = journal.get::<Vec<String>>(3)?.unwrap_or_default();
-                        let seqs = journal.get::<Vec<i64>>(4)?.unwrap_or_default();
-                        let events = journal.get::<i32>(5)?.unwrap_or_default();
-                        if journal.get::<bool>(6)?.unwrap_or(false) {
+                        let round = journal.get::<i64>(0)?.unwrap_or_default();
+                        let skip = journal.get::<i32>(1)?.unwrap_or_default().max(0);
+                        let event_ids = texts(&journal, 2)?.unwrap_or_default();
+                        let seqs: Vec<i64> =
+                            journal.get::<Vec<Option<i64>>>(3)?.unwrap_or_default().into_iter().flatten().collect();
+                        let events = journal.get::<i32>(4)?.unwrap_or_default();
+                        if journal.get::<bool>(5)?.unwrap_or(false) {
                             let passed = i64::from((events - skip).max(0));
                             // Walked, not examined: `filtered` counts what was looked at.
                             (walked, examined) = (walked + passed, examined + 1);
@@ -372,18 +379,18 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                 let ids: Vec<String> = stretch.iter().map(|entry| entry.event_id.clone()).collect();
                 // Per event still retained: its stream key, its size, whether the selection takes it.
                 let mut found: HashMap<String, (String, usize, bool)> = HashMap::with_capacity(ids.len());
-                for row in client.select(SELECT, None, &replay.selection_args(ids))? {
-                    let event_id = row.get::<String>(1)?.unwrap_or_default();
-                    let key = match row.get::<String>(4)? {
+                for row in client.query(SELECT, &replay.selection_args(ids))? {
+                    let event_id = row.get::<String>(0)?.unwrap_or_default();
+                    let key = match row.get::<String>(3)? {
                         Some(stream) => stream,
                         None => render_stream_template(
                             &settings.entries.stream_template,
+                            &row.get::<String>(1)?.unwrap_or_default(),
                             &row.get::<String>(2)?.unwrap_or_default(),
-                            &row.get::<String>(3)?.unwrap_or_default(),
                         ),
                     };
-                    let size = row.get::<i64>(5)?.unwrap_or_default().max(0) as usize;
-                    let matches = row.get::<bool>(6)?.unwrap_or(false);
+                    let size = row.get::<i64>(4)?.unwrap_or_default().max(0) as usize;
+                    let matches = row.get::<bool>(5)?.unwrap_or(false);
                     found.insert(event_id, (key, size, matches));
                 }
                 for entry in stretch {
@@ -423,20 +430,20 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
             if !chosen.is_empty() {
                 let ids: Vec<String> = chosen.iter().map(|entry| entry.event_id.clone()).collect();
                 let mut fetched: HashMap<String, OutboxEvent> = HashMap::with_capacity(ids.len());
-                for row in client.select(EVENTS, None, &replay.selection_args(ids))? {
-                    let headers = row.get::<String>(7)?;
+                for row in client.query(EVENTS, &replay.selection_args(ids))? {
+                    let headers = row.get::<String>(6)?;
                     let event = OutboxEvent {
-                        event_id: row.get::<String>(1)?.unwrap_or_default(),
-                        id: row.get::<i64>(2)?.unwrap_or_default(),
-                        aggregate_type: row.get::<String>(3)?.unwrap_or_default(),
-                        aggregate_id: row.get::<String>(4)?.unwrap_or_default(),
+                        event_id: row.get::<String>(0)?.unwrap_or_default(),
+                        id: row.get::<i64>(1)?.unwrap_or_default(),
+                        aggregate_type: row.get::<String>(2)?.unwrap_or_default(),
+                        aggregate_id: row.get::<String>(3)?.unwrap_or_default(),
                         aggregate_seq: 0,
-                        event_type: row.get::<String>(5)?.unwrap_or_default(),
-                        payload: row.get::<String>(6)?.unwrap_or_default(),
+                        event_type: row.get::<String>(4)?.unwrap_or_default(),
+                        payload: row.get::<String>(5)?.unwrap_or_default(),
                         trace: TraceContext::from_headers(headers.as_deref()),
                         headers,
-                        stream: row.get::<String>(8)?,
-                        created_at: row.get::<String>(9)?.unwrap_or_default(),
+                        stream: row.get::<String>(7)?,
+                        created_at: row.get::<String>(8)?.unwrap_or_default(),
                         replay: Some(replay.id),
                     };
                     fetched.insert(event.event_id.clone(), event);
@@ -464,6 +471,7 @@ fn walk(settings: &TickSettings, state: &mut RoundState, limits: Limits) -> Resu
                 missing,
                 done,
             })))
-        })
-    })
+        }
+    });
+    walked.map_err(String::from)
 }

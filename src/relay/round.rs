@@ -332,7 +332,7 @@ fn settle(
     // Losses the check found before this round wrote are recorded first (a transaction that
     // commits synchronously): the finish stores marks past them, after which a relay started
     // anew, should this one crash, could no longer find them.
-    if let Err(error) = crate::relay::losses::report_found_on(db, sink) {
+    if let Err(error) = crate::relay::losses::report_found(db, sink) {
         return TickOutcome::DatabaseError(error);
     }
     // The marks of what Redis acknowledged go in the finish that marks it published (a crash

@@ -144,7 +144,7 @@ pub fn finish(
                 ],
             )?;
         }
-        losses::write_marks_on(db, &settlement.marks_target, &settlement.marks)?;
+        losses::write_marks(db, &settlement.marks_target, &settlement.marks)?;
         // Checked after the writes, in their transaction: the rows they touched stay locked until
         // it ends, so a DROP EXTENSION cannot slip in between this check and the commit.
         if installation() != read_from {

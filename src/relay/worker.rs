@@ -686,7 +686,7 @@ impl Relay {
     fn replay(&mut self, settings: &TickSettings) -> Option<Duration> {
         let limits = if self.live_recently() { replay::Limits::LIVE } else { replay::Limits::IDLE };
         let started = Instant::now();
-        let outcome = replay::replay_round(&mut self.sink, settings, &mut self.state, limits);
+        let outcome = replay::replay_round(&mut self.db, &mut self.sink, settings, &mut self.state, limits);
         self.replayed_at = Instant::now();
         self.replay_took = started.elapsed();
         let repair_losses = self.report_losses() && guc::replay_on_loss();
