@@ -267,9 +267,10 @@ enum Walk {
     NoneClaimable,
 }
 
-/// A text array column without its NULL elements (there are none: the filters' arrays).
-fn texts(row: &Row, column: usize) -> Result<Option<Vec<String>>, DbError> {
-    Ok(row.get::<Vec<Option<String>>>(column)?.map(|texts| texts.into_iter().flatten().collect()))
+/// A text array column without its NULL elements (there are none: the filters' arrays, the
+/// journal's event ids), moved out of the row.
+fn texts(row: &mut Row, column: usize) -> Result<Option<Vec<String>>, DbError> {
+    Ok(row.take::<Vec<Option<String>>>(column)?.map(|texts| texts.into_iter().flatten().collect()))
 }
 
 /// Claims a replay and reads its next round, in one short transaction.
@@ -286,22 +287,22 @@ fn walk(
         let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
         {
             // At most one row (src/sql/replay.sql).
-            let claimed = client.query(CLAIM, &[settings.pid.into(), lease_ms.into()])?;
-            let Some(row) = claimed.first() else {
+            let mut claimed = client.query(CLAIM, &[settings.pid.into(), lease_ms.into()])?;
+            let Some(row) = claimed.first_mut() else {
                 let running = first::<bool>(&client.query(REPLAYS_RUNNING, &[])?)?.unwrap_or(false);
                 return Ok(if running { Walk::NoneClaimable } else { Walk::NoneRunning });
             };
             let replay = Claimed {
                 id: row.get::<i64>(0)?.unwrap_or_default(),
-                since: row.get::<String>(1)?.unwrap_or_default(),
+                since: row.take::<String>(1)?.unwrap_or_default(),
                 next_round: row.get::<i64>(2)?.unwrap_or_default(),
                 next_index: row.get::<i32>(3)?.unwrap_or_default(),
                 last_round: row.get::<i64>(4)?.unwrap_or_default(),
-                until: row.get::<String>(5)?,
+                until: row.take::<String>(5)?,
                 streams: texts(row, 6)?,
                 aggregate_types: texts(row, 7)?,
                 by_event_ids: row.get::<bool>(8)?.unwrap_or(false),
-                to_stream: row.get::<String>(9)?,
+                to_stream: row.take::<String>(9)?,
                 max_rate: row.get::<i32>(10)?,
                 exact_streams: row.get::<bool>(11)?.unwrap_or(false),
             };
@@ -338,12 +339,12 @@ fn walk(
                         journal_end = true;
                         break;
                     }
-                    for journal in rounds {
+                    for mut journal in rounds {
                         let round = journal.get::<i64>(0)?.unwrap_or_default();
                         let skip = journal.get::<i32>(1)?.unwrap_or_default().max(0);
-                        let event_ids = texts(&journal, 2)?.unwrap_or_default();
+                        let event_ids = texts(&mut journal, 2)?.unwrap_or_default();
                         let seqs: Vec<i64> =
-                            journal.get::<Vec<Option<i64>>>(3)?.unwrap_or_default().into_iter().flatten().collect();
+                            journal.take::<Vec<Option<i64>>>(3)?.unwrap_or_default().into_iter().flatten().collect();
                         let events = journal.get::<i32>(4)?.unwrap_or_default();
                         if journal.get::<bool>(5)?.unwrap_or(false) {
                             let passed = i64::from((events - skip).max(0));
@@ -379,9 +380,9 @@ fn walk(
                 let ids: Vec<String> = stretch.iter().map(|entry| entry.event_id.clone()).collect();
                 // Per event still retained: its stream key, its size, whether the selection takes it.
                 let mut found: HashMap<String, (String, usize, bool)> = HashMap::with_capacity(ids.len());
-                for row in client.query(SELECT, &replay.selection_args(ids))? {
-                    let event_id = row.get::<String>(0)?.unwrap_or_default();
-                    let key = match row.get::<String>(3)? {
+                for mut row in client.query(SELECT, &replay.selection_args(ids))? {
+                    let event_id = row.take::<String>(0)?.unwrap_or_default();
+                    let key = match row.take::<String>(3)? {
                         Some(stream) => stream,
                         None => render_stream_template(
                             &settings.entries.stream_template,
@@ -430,20 +431,20 @@ fn walk(
             if !chosen.is_empty() {
                 let ids: Vec<String> = chosen.iter().map(|entry| entry.event_id.clone()).collect();
                 let mut fetched: HashMap<String, OutboxEvent> = HashMap::with_capacity(ids.len());
-                for row in client.query(EVENTS, &replay.selection_args(ids))? {
-                    let headers = row.get::<String>(6)?;
+                for mut row in client.query(EVENTS, &replay.selection_args(ids))? {
+                    let headers = row.take::<String>(6)?;
                     let event = OutboxEvent {
-                        event_id: row.get::<String>(0)?.unwrap_or_default(),
+                        event_id: row.take::<String>(0)?.unwrap_or_default(),
                         id: row.get::<i64>(1)?.unwrap_or_default(),
-                        aggregate_type: row.get::<String>(2)?.unwrap_or_default(),
-                        aggregate_id: row.get::<String>(3)?.unwrap_or_default(),
+                        aggregate_type: row.take::<String>(2)?.unwrap_or_default(),
+                        aggregate_id: row.take::<String>(3)?.unwrap_or_default(),
                         aggregate_seq: 0,
-                        event_type: row.get::<String>(4)?.unwrap_or_default(),
-                        payload: row.get::<String>(5)?.unwrap_or_default(),
+                        event_type: row.take::<String>(4)?.unwrap_or_default(),
+                        payload: row.take::<String>(5)?.unwrap_or_default(),
                         trace: TraceContext::from_headers(headers.as_deref()),
                         headers,
-                        stream: row.get::<String>(7)?,
-                        created_at: row.get::<String>(8)?.unwrap_or_default(),
+                        stream: row.take::<String>(7)?,
+                        created_at: row.take::<String>(8)?.unwrap_or_default(),
                         replay: Some(replay.id),
                     };
                     fetched.insert(event.event_id.clone(), event);
