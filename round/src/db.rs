@@ -278,6 +278,15 @@ pub trait Statements {
     /// statements it is told run often; the results are the same.
     fn query(&mut self, sql: &str, args: &[Value]) -> Result<Vec<Row>, DbError>;
 
+    /// `query` for a statement that writes nothing: an implementation need not make the
+    /// transaction one that writes for it. The worker's SPI runs it as pgrx's `select`, which
+    /// assigns no transaction id, so that a round on a kept claim, which writes nothing, commits
+    /// without one (no xid drawn, no commit record) as it did before this interface; a client
+    /// connection runs it as any other.
+    fn select(&mut self, sql: &str, args: &[Value]) -> Result<Vec<Row>, DbError> {
+        self.query(sql, args)
+    }
+
     /// Runs a statement whose rows are not needed; returns how many it processed (returned or
     /// changed).
     fn execute(&mut self, sql: &str, args: &[Value]) -> Result<u64, DbError>;
