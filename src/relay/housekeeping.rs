@@ -7,7 +7,7 @@ use std::time::Duration;
 use outbox_round::db::{first, Database, DbError};
 
 use crate::relay::losses::REPAIRS_RUNNING;
-use crate::relay::readiness::{readiness_on, Readiness};
+use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::replay::REPLAYS_RUNNING;
 use crate::relay::state::RoundState;
 
@@ -47,7 +47,7 @@ pub fn housekeeping(
     lease_ms: i32,
 ) -> Result<HousekeepingOutcome, DbError> {
     db.transaction(|db| {
-        match readiness_on(db, state)? {
+        match readiness(db, state)? {
             Readiness::Ready(_) => {}
             Readiness::Missing => return Ok(HousekeepingOutcome::ExtensionMissing),
             _ => return Ok(HousekeepingOutcome::NotReady),

@@ -13,7 +13,7 @@ use outbox_sink::StreamId;
 use pgrx::prelude::*;
 
 use crate::log::datums::timestamptz_text;
-use crate::relay::readiness::{readiness_on, Readiness};
+use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::state::RoundState;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
@@ -92,7 +92,7 @@ impl MarkKeeping {
 /// Whether a replay that repairs a loss still runs (false where the relay may not run its
 /// statements: no extension, another version).
 pub fn repairs_running(db: &mut impl Database, state: &mut RoundState) -> Result<bool, DbError> {
-    db.transaction(|db| match readiness_on(db, state)? {
+    db.transaction(|db| match readiness(db, state)? {
         Readiness::Ready(_) => first::<bool>(&db.query(REPAIRS_RUNNING, &[])?).map(|running| running.unwrap_or(false)),
         _ => Ok(false),
     })

@@ -3,19 +3,17 @@
 //! due events, and the counters of the round's aggregates. One short transaction, which writes only
 //! when shards change hands.
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use outbox_round::db::{Database, DbError, Row, Statements};
 use outbox_sink::event::{OutboxEvent, TraceContext};
 use pgrx::prelude::*;
-use pgrx::{PgBuiltInOids, PgOid};
 
 use crate::log::counters;
 use crate::log::window::{read_shard, Budget, LogEvent, Snapshot};
 use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::state::{RoundState, Statement};
+use crate::relay::state::RoundState;
 use crate::relay::tick_settings::{Map, Set, TickSettings};
-use crate::relay::txn;
 use crate::shared;
 
 const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded, window_max_id, window_last_id \
@@ -25,17 +23,16 @@ const HELD_DUE: &str =
                         stream, created_at FROM outbox._held_due($1, $2, $3)";
 const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
 
-/// The argument types of CLAIM.
-const CLAIM_TYPES: [PgOid; 3] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID); 3];
-
 /// What a round on a kept claim reads instead of claiming, per shard this relay holds
 /// (src/sql/relay/claim.sql): `$2`, indexed by shard + 1, overrides a cursor with where a round in
 /// flight leaves it.
 pub(crate) const HELD: &str = "SELECT shard, cursor, window_upto, window_max_id, window_last_id, now, recorded \
                                  FROM outbox._held_shards($1, $2)";
 
-/// The argument types of HELD: the relay's pid and the cursors a round in flight leaves.
-const HELD_TYPES: [PgOid; 2] = [PgOid::BuiltIn(PgBuiltInOids::INT4OID), PgOid::BuiltIn(PgBuiltInOids::TEXTARRAYOID)];
+/// The read's statements whose plans a connection keeps (src/relay/spi.rs): the claim or the kept
+/// claim runs in every round, and parsing and planning them again each round was about a tenth of
+/// a round's time when rounds carry an event or two.
+pub const KEPT: &[&str] = &[CLAIM, HELD];
 
 /// An idle shard's cursor is moved on this often, so that retention can see it has consumed a
 /// closed table; a shard with events moves at every batch.
@@ -121,21 +118,22 @@ pub enum Read {
 }
 
 /// An event of the failure path: (id, event_id, aggregate_type, aggregate_id, aggregate_seq,
-/// event_type, payload, headers, stream, created_at), as outbox._held_due returns it.
-fn held_event(row: &pgrx::spi::SpiHeapTupleData) -> Result<OutboxEvent, pgrx::spi::Error> {
-    let headers = row.get::<String>(8)?;
+/// event_type, payload, headers, stream, created_at), as outbox._held_due returns it; its texts
+/// moved out of the row.
+fn held_event(mut row: Row) -> Result<OutboxEvent, DbError> {
+    let headers = row.take::<String>(7)?;
     Ok(OutboxEvent {
-        id: row.get::<i64>(1)?.unwrap_or_default(),
-        event_id: row.get::<String>(2)?.unwrap_or_default(),
-        aggregate_type: row.get::<String>(3)?.unwrap_or_default(),
-        aggregate_id: row.get::<String>(4)?.unwrap_or_default(),
-        aggregate_seq: row.get::<i64>(5)?.unwrap_or_default(),
-        event_type: row.get::<String>(6)?.unwrap_or_default(),
-        payload: row.get::<String>(7)?.unwrap_or_default(),
+        id: row.get::<i64>(0)?.unwrap_or_default(),
+        event_id: row.take::<String>(1)?.unwrap_or_default(),
+        aggregate_type: row.take::<String>(2)?.unwrap_or_default(),
+        aggregate_id: row.take::<String>(3)?.unwrap_or_default(),
+        aggregate_seq: row.get::<i64>(4)?.unwrap_or_default(),
+        event_type: row.take::<String>(5)?.unwrap_or_default(),
+        payload: row.take::<String>(6)?.unwrap_or_default(),
         trace: TraceContext::from_headers(headers.as_deref()),
         headers,
-        stream: row.get::<String>(9)?,
-        created_at: row.get::<String>(10)?.unwrap_or_default(),
+        stream: row.take::<String>(8)?,
+        created_at: row.take::<String>(9)?.unwrap_or_default(),
         replay: None,
     })
 }
@@ -218,15 +216,14 @@ impl AfterRead {
 /// counters, as if it had finished; it runs only on a kept claim (nothing changes hands, no
 /// failure path: that round had nothing held), else it is `Postponed`. Whoever reads it publishes
 /// it only if that round finishes cleanly, and gives it back otherwise.
-pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option<&Batch>) -> Result<Read, String> {
-    let settings = settings.clone();
-    let state = AssertUnwindSafe(state);
-    let after = AssertUnwindSafe(after);
-    txn::run(move || -> Result<Read, pgrx::spi::Error> {
-        let mut state = state;
-        let state: &mut RoundState = &mut state;
-        let after: Option<&Batch> = *after;
-        let installation = match readiness(state)? {
+pub fn read_round(
+    db: &mut impl Database,
+    settings: &TickSettings,
+    state: &mut RoundState,
+    after: Option<&Batch>,
+) -> Result<Read, String> {
+    let read = db.transaction(|client| {
+        let installation = match readiness(client, state)? {
             Readiness::Ready(oid) => oid,
             other => return Ok(Read::NotReady(other)),
         };
@@ -236,7 +233,7 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
         {
             return Ok(Read::Postponed);
         }
-        Spi::connect_mut(|client| {
+        {
             let mut batch = Batch { installation, ..Batch::default() };
             // The commit flags of the shards held last round, taken before the claim's snapshot:
             // a commit that flagged one of them was visible before it, so its events are in this
@@ -248,7 +245,7 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             let full_read = settings.full_read && after.is_none();
             let mut claimed =
                 match state.kept_claim(installation, settings.share, settings.lease, full_read, after.is_some()) {
-                    Some(kept) => read_kept_claim(client, &settings, state, after, &kept)?,
+                    Some(kept) => read_kept_claim(client, settings, state, after, &kept)?,
                     None => Vec::new(),
                 };
             if after.is_some() && claimed.is_empty() {
@@ -258,7 +255,7 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             }
             let mut held_any = false;
             if claimed.is_empty() {
-                (claimed, held_any) = claim_shards(client, &settings, state, installation)?;
+                (claimed, held_any) = claim_shards(client, settings, state, installation)?;
             }
             // Outside a full read, only the shards that commits flagged since the last round,
             // those this relay did not hold then, those publishing a window in parts, and those
@@ -292,28 +289,28 @@ pub fn read_round(settings: &TickSettings, state: &mut RoundState, after: Option
             let log = read_windows(&claimed, full, &mut batch, state);
             if held_any {
                 let limit = settings.batch_size.min(i32::MAX as usize) as i32;
-                let held =
-                    client.update(HELD_DUE, None, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
+                let held = client.query(HELD_DUE, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
                 for row in held {
-                    batch.held_due.push(held_event(&row)?);
+                    batch.held_due.push(held_event(row)?);
                 }
             }
             batch.more |= batch.held_due.len() >= settings.batch_size;
-            batch.events = number_events(client, log, &mut batch, after, &settings, held_any, shards)?;
+            batch.events = number_events(client, log, &mut batch, after, settings, held_any, shards)?;
             Ok(Read::Batch(batch))
-        })
-    })
+        }
+    });
+    read.map_err(String::from)
 }
 
 /// The shards of a claim kept from an earlier round, as the claim would give them, or none when they
 /// are no longer exactly the kept ones (the claim is then forgotten).
 fn read_kept_claim(
-    client: &mut pgrx::spi::SpiClient<'_>,
+    client: &mut dyn Statements,
     settings: &TickSettings,
     state: &mut RoundState,
     after: Option<&Batch>,
     kept: &[i16],
-) -> Result<Vec<Claimed>, pgrx::spi::Error> {
+) -> Result<Vec<Claimed>, DbError> {
     // Nothing changes hands and the lease is fresh: only the cursors, the windows and
     // the bounds are read, and only if the shards are still exactly the kept ones.
     // After a round in flight, from where it leaves the shards it moves (their next
@@ -325,22 +322,19 @@ fn read_kept_claim(
     for shard in &left {
         cursors[shard.shard as usize] = Some(shard.next_cursor.clone());
     }
-    for row in client.select(
-        state.statements.get(client, Statement::Held, HELD, &HELD_TYPES)?,
-        None,
-        &[settings.pid.into(), cursors.into()],
-    )? {
-        let shard = row.get::<i16>(1)?.unwrap_or_default();
-        let stored = match row.get::<String>(3)? {
-            Some(upto) => Some((upto, position(row.get::<i64>(4)?, row.get::<i64>(5)?))),
+    // Reads only: a round on a kept claim writes nothing and draws no xid (`select`).
+    for mut row in client.select(HELD, &[settings.pid.into(), cursors.into()])? {
+        let shard = row.get::<i16>(0)?.unwrap_or_default();
+        let stored = match row.take::<String>(2)? {
+            Some(upto) => Some((upto, position(row.get::<i64>(3)?, row.get::<i64>(4)?))),
             None => None,
         };
         let window = match left.iter().find(|s| s.shard == shard) {
             Some(s) => s.window.clone().map(|(upto, position)| (upto, Some(position))),
             None => stored,
         };
-        let now = row.get::<String>(6)?.unwrap_or_default();
-        let recorded = row.get::<String>(7)?;
+        let now = row.take::<String>(5)?.unwrap_or_default();
+        let recorded = row.take::<String>(6)?;
         // Like the claim: the window published in parts; else the first recorded
         // snapshot ahead of a lagging cursor; else now.
         let (upto, bounded, position) = match (window, recorded) {
@@ -350,7 +344,7 @@ fn read_kept_claim(
         };
         claimed.push(Claimed {
             shard,
-            cursor: row.get::<String>(2)?.unwrap_or_default(),
+            cursor: row.take::<String>(1)?.unwrap_or_default(),
             age_ms: 0,
             upto,
             bounded,
@@ -367,32 +361,28 @@ fn read_kept_claim(
 /// Claims this relay's share of the shards (outbox._claim_shards: SKIP LOCKED, a lease) and keeps
 /// the claim for the next rounds when the failure path holds nothing in them; also whether it does.
 fn claim_shards(
-    client: &mut pgrx::spi::SpiClient<'_>,
+    client: &mut dyn Statements,
     settings: &TickSettings,
     state: &mut RoundState,
     installation: pg_sys::Oid,
-) -> Result<(Vec<Claimed>, bool), pgrx::spi::Error> {
+) -> Result<(Vec<Claimed>, bool), DbError> {
     let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
     let mut claimed: Vec<Claimed> = Vec::new();
     let mut held_any = false;
-    for row in client.update(
-        state.statements.get(client, Statement::Claim, CLAIM, &CLAIM_TYPES)?,
-        None,
-        &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()],
-    )? {
+    for mut row in client.query(CLAIM, &[settings.pid.into(), (settings.share as i32).into(), lease_ms.into()])? {
         claimed.push(Claimed {
-            shard: row.get::<i16>(1)?.unwrap_or_default(),
-            cursor: row.get::<String>(2)?.unwrap_or_default(),
-            age_ms: row.get::<i64>(3)?.unwrap_or_default(),
+            shard: row.get::<i16>(0)?.unwrap_or_default(),
+            cursor: row.take::<String>(1)?.unwrap_or_default(),
+            age_ms: row.get::<i64>(2)?.unwrap_or_default(),
             // The end of the window being published in parts; or now (taken after
             // the claim: the reads below see every transaction it shows as
             // committed), or a recorded snapshot for a lagging shard: then more
             // follows at once.
-            upto: row.get::<String>(4)?.unwrap_or_default(),
-            bounded: row.get::<bool>(6)?.unwrap_or(false),
-            position: position(row.get::<i64>(7)?, row.get::<i64>(8)?),
+            upto: row.take::<String>(3)?.unwrap_or_default(),
+            bounded: row.get::<bool>(5)?.unwrap_or(false),
+            position: position(row.get::<i64>(6)?, row.get::<i64>(7)?),
         });
-        held_any = row.get::<bool>(5)?.unwrap_or(true);
+        held_any = row.get::<bool>(4)?.unwrap_or(true);
     }
     let keepable = !held_any;
     state.keep_claim(installation, settings.share, claimed.iter().map(|c| c.shard).collect(), keepable);
@@ -460,14 +450,14 @@ fn read_windows(claimed: &[Claimed], full: bool, batch: &mut Batch, state: &mut 
 /// or from the round in flight `after` as its finish will leave them), and those whose aggregate
 /// waits on the failure path diverted to it; the batch gets the counters its finish writes.
 fn number_events(
-    client: &mut pgrx::spi::SpiClient<'_>,
+    client: &mut dyn Statements,
     mut log: Vec<LogEvent>,
     batch: &mut Batch,
     after: Option<&Batch>,
     settings: &TickSettings,
     held_any: bool,
     shards: Vec<i16>,
-) -> Result<Vec<OutboxEvent>, pgrx::spi::Error> {
+) -> Result<Vec<OutboxEvent>, DbError> {
     // Each shard's events in its publish order, which is commit order for every aggregate
     // (src/log/window.rs); the shards' interleave by the same key, which keeps each one's order.
     log.sort_unstable_by_key(|event| event.position());
@@ -491,8 +481,8 @@ fn number_events(
         if settings.in_order && held_any {
             let types: Vec<String> = aggregates.iter().map(|(t, _)| t.clone()).collect();
             let ids: Vec<String> = aggregates.iter().map(|(_, i)| i.clone()).collect();
-            for row in client.update(HELD_AGGREGATES, None, &[types.into(), ids.into(), shards.into()])? {
-                waiting.insert(row.get::<i64>(1)?.unwrap_or_default() as usize - 1);
+            for row in client.query(HELD_AGGREGATES, &[types.into(), ids.into(), shards.into()])? {
+                waiting.insert(row.get::<i64>(0)?.unwrap_or_default() as usize - 1);
             }
         }
         let index: Map<(&str, &str), usize> =

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use outbox_round::db::{first, DbError, Statements};
 use pgrx::prelude::*;
 
-use crate::relay::spi;
 use crate::relay::state::RoundState;
 
 /// The OID of the installed extension: which installation's log a batch was read from. A finish
@@ -35,18 +34,12 @@ pub enum Readiness {
 /// The library's version: the extension version it was built with and whose statements it calls.
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// `readiness_on` for read.rs and replay.rs, which still run their statements through pgrx's SPI
-/// themselves (docs/outside-relay.md, step 2b's second part); an error is raised.
-pub fn readiness(state: &mut RoundState) -> Result<Readiness, pgrx::spi::Error> {
-    Ok(spi::in_transaction(|db| readiness_on(db, state)).unwrap_or_else(|error| spi::raise(error)))
-}
-
 /// Checks that the extension is installed, at the version of this library. After a new library is
 /// installed and the server restarted, the database keeps the old extension version until `ALTER
 /// EXTENSION outbox_pg UPDATE`; until then the relay calls nothing (events wait, none is lost).
 /// Still tied to the server: the extension's OID and the database's are read from the backend
 /// (`installation`, `MyDatabaseId`), not by a statement.
-pub fn readiness_on(db: &mut dyn Statements, state: &mut RoundState) -> Result<Readiness, DbError> {
+pub fn readiness(db: &mut dyn Statements, state: &mut RoundState) -> Result<Readiness, DbError> {
     let oid = installation();
     if oid == pg_sys::InvalidOid {
         return Ok(Readiness::Missing);

@@ -20,7 +20,7 @@ use pgrx::prelude::*;
 
 use crate::enqueue::streams;
 use crate::relay::losses;
-use crate::relay::readiness::{readiness_on, Readiness};
+use crate::relay::readiness::{readiness, Readiness};
 use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
 
@@ -281,7 +281,7 @@ fn walk(
     limits: Limits,
 ) -> Result<Walk, String> {
     let walked = db.transaction(|client| {
-        if !matches!(readiness_on(client, state)?, Readiness::Ready(_)) {
+        if !matches!(readiness(client, state)?, Readiness::Ready(_)) {
             return Ok(Walk::NoneRunning);
         }
         let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;

@@ -124,7 +124,7 @@ pub fn tick(
     let mut read = None;
     if let Some(landing) = flight.take() {
         let started = Instant::now();
-        let next = read_round(settings, state, Some(&landing.batch));
+        let next = read_round(db, settings, state, Some(&landing.batch));
         timings.claim += started.elapsed();
         let (outcome, clean) = land(db, landing, sink, state, timings);
         match next {
@@ -141,7 +141,7 @@ pub fn tick(
         Some(read) => read,
         None => {
             let started = Instant::now();
-            let read = read_round(settings, state, None);
+            let read = read_round(db, settings, state, None);
             timings.claim += started.elapsed();
             read
         }

@@ -20,12 +20,16 @@ pub struct SpiDatabase {
 }
 
 impl SpiDatabase {
-    /// A connection that prepares the statements `keep` names once and keeps their plans
-    /// (`SPI_keepplan`): those a round runs every time, whose parsing and planning were a tenth of
-    /// a small round (src/relay/state.rs, `Statements`). The others are planned at each call, as
-    /// `Spi::get_one` plans them.
-    pub fn new(keep: &'static [&'static str]) -> SpiDatabase {
-        SpiDatabase { kept: KeptPlans { keep, plans: keep.iter().map(|_| None).collect() } }
+    /// A connection that prepares the statements the lists of `keep` name once and keeps their
+    /// plans (`SPI_keepplan`): those a round runs every time (the claim or the kept claim, the
+    /// finish's `_advance`), whose parsing, analysing and planning were about a tenth of a round's
+    /// time when rounds carry an event or two. A kept plan is checked and, if what it uses changed
+    /// (DROP and CREATE EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes
+    /// stale. The others are planned at each call, as `Spi::get_one` plans them.
+    pub fn new(keep: &[&'static [&'static str]]) -> SpiDatabase {
+        let keep: Vec<&'static str> = keep.iter().flat_map(|list| list.iter().copied()).collect();
+        let plans = keep.iter().map(|_| None).collect();
+        SpiDatabase { kept: KeptPlans { keep, plans } }
     }
 }
 
@@ -43,21 +47,8 @@ impl Database for SpiDatabase {
     }
 }
 
-/// Runs `body` on the transaction under way, for the callers that still open their own with
-/// `txn::run` (read.rs, replay.rs: docs/outside-relay.md, step 2b's second part). No plan is kept.
-pub fn in_transaction<R>(body: impl FnOnce(&mut dyn Statements) -> Result<R, DbError>) -> Result<R, DbError> {
-    let mut kept = KeptPlans { keep: &[], plans: Vec::new() };
-    Spi::connect_mut(|client| body(&mut SpiStatements { client, kept: &mut kept }))
-}
-
-/// Raises `error` as a PostgreSQL error: how `in_transaction`'s callers, whose errors are pgrx's,
-/// hand one on (their `txn::run` catches it and returns its message, aborting the transaction).
-pub fn raise(error: DbError) -> ! {
-    pgrx::error!("{}", error.message)
-}
-
 struct KeptPlans {
-    keep: &'static [&'static str],
+    keep: Vec<&'static str>,
     /// The plan of each statement of `keep`, with the argument types it was prepared for.
     plans: Vec<Option<(Vec<Oid>, OwnedPreparedStatement)>>,
 }
@@ -68,9 +59,11 @@ struct SpiStatements<'a, 'conn> {
 }
 
 impl SpiStatements<'_, '_> {
-    /// Runs `sql`, through its kept plan if it is one of those kept. Always as pgrx's `update`
-    /// (not `select`): as `Spi::get_one` and `Spi::run_with_args` did, which the round called.
-    fn run(&mut self, sql: &str, args: &[Value]) -> Result<pgrx::spi::SpiTupleTable<'_>, DbError> {
+    /// Runs `sql`, through its kept plan if it is one of those kept. As pgrx's `update`, as
+    /// `Spi::get_one` and `Spi::run_with_args` did, which the round called: the transaction gets
+    /// an xid first. A `select` (`writes` false) does not: as pgrx's `select`, which the kept
+    /// claim's read called, read-write all the same (a kept plan is prepared as one that writes).
+    fn run(&mut self, sql: &str, args: &[Value], writes: bool) -> Result<pgrx::spi::SpiTupleTable<'_>, DbError> {
         let datums: Vec<DatumWithOid<'_>> = args.iter().map(datum).collect();
         let kept = self.kept.keep.iter().position(|keep| *keep == sql);
         let table = match kept {
@@ -83,17 +76,21 @@ impl SpiStatements<'_, '_> {
                     *slot = Some((types, plan));
                 }
                 let Some((_, plan)) = slot.as_ref() else { unreachable!("prepared above") };
-                self.client.update(plan, None, &datums)
+                if writes {
+                    self.client.update(plan, None, &datums)
+                } else {
+                    self.client.select(plan, None, &datums)
+                }
             }
-            None => self.client.update(sql, None, &datums),
+            None if writes => self.client.update(sql, None, &datums),
+            None => self.client.select(sql, None, &datums),
         };
         table.map_err(spi_error)
     }
-}
 
-impl Statements for SpiStatements<'_, '_> {
-    fn query(&mut self, sql: &str, args: &[Value]) -> Result<Vec<Row>, DbError> {
-        let mut table = self.run(sql, args)?;
+    /// The rows of `sql`, run as `run` runs it.
+    fn rows(&mut self, sql: &str, args: &[Value], writes: bool) -> Result<Vec<Row>, DbError> {
+        let mut table = self.run(sql, args, writes)?;
         let mut rows = Vec::with_capacity(table.len());
         for tuple in table.by_ref() {
             match row(&tuple) {
@@ -110,9 +107,19 @@ impl Statements for SpiStatements<'_, '_> {
         }
         Ok(rows)
     }
+}
+
+impl Statements for SpiStatements<'_, '_> {
+    fn query(&mut self, sql: &str, args: &[Value]) -> Result<Vec<Row>, DbError> {
+        self.rows(sql, args, true)
+    }
+
+    fn select(&mut self, sql: &str, args: &[Value]) -> Result<Vec<Row>, DbError> {
+        self.rows(sql, args, false)
+    }
 
     fn execute(&mut self, sql: &str, args: &[Value]) -> Result<u64, DbError> {
-        Ok(self.run(sql, args)?.len() as u64)
+        Ok(self.run(sql, args, true)?.len() as u64)
     }
 }
 

@@ -1,21 +1,19 @@
 //! What a relay keeps from one round to the next, owned by its worker loop and passed to every
-//! round: the statements it prepared once, the claim it may keep for a while, the shards it held
-//! (for the commit flags), the transactions of the windows it publishes in parts, when it last
-//! checked the extension's version. With the round left in flight (src/relay/round.rs, `Flight`,
-//! kept beside it by the worker), nothing else carries state between rounds.
+//! round: the claim it may keep for a while, the shards it held (for the commit flags), the
+//! transactions of the windows it publishes in parts, when it last checked the extension's
+//! version. With the round left in flight (src/relay/round.rs, `Flight`, kept beside it by the
+//! worker) and the plans its connection keeps (src/relay/spi.rs), nothing else carries state
+//! between rounds.
 
 use std::time::{Duration, Instant};
 
 use pgrx::prelude::*;
-use pgrx::spi::{OwnedPreparedStatement, SpiClient};
-use pgrx::PgOid;
 
 use crate::log::window::{WindowPlans, ROUND_EVENTS};
 
 /// A relay's state between rounds (see the module's header).
 #[derive(Default)]
 pub struct RoundState {
-    pub statements: Statements,
     /// The last full claim's outcome, while a round may go without one (`kept_claim`).
     kept_claim: Option<KeptClaim>,
     /// The shards this relay held at its last round (one bit each).
@@ -105,46 +103,6 @@ impl RoundAllowance {
                 }
             }
         }
-    }
-}
-
-/// The round's statements that run most often, prepared once per relay and kept (`SPI_keepplan`):
-/// parsing, analysing and planning them again each round was about a tenth of a round's time when
-/// rounds carry an event or two. A kept plan is checked and, if what it uses changed (DROP and
-/// CREATE EXTENSION), parsed again by PostgreSQL's plan cache, so it never goes stale. Those of the
-/// read (read.rs); the finish's are kept by the worker's connection (src/relay/spi.rs), where
-/// these move when the read runs over it.
-#[derive(Default)]
-pub struct Statements {
-    claim: Option<OwnedPreparedStatement>,
-    held: Option<OwnedPreparedStatement>,
-}
-
-/// Which kept statement.
-#[derive(Debug, Clone, Copy)]
-pub enum Statement {
-    Claim,
-    Held,
-}
-
-impl Statements {
-    /// The kept statement `which`, prepared from `query` (with argument `types`) the first time.
-    pub fn get(
-        &mut self,
-        client: &SpiClient<'_>,
-        which: Statement,
-        query: &str,
-        types: &[PgOid],
-    ) -> Result<&OwnedPreparedStatement, pgrx::spi::Error> {
-        let slot = match which {
-            Statement::Claim => &mut self.claim,
-            Statement::Held => &mut self.held,
-        };
-        let statement = match slot.take() {
-            Some(statement) => statement,
-            None => client.prepare_mut(query, types)?.keep(),
-        };
-        Ok(slot.insert(statement))
     }
 }
 

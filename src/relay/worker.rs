@@ -24,11 +24,11 @@ use crate::relay::losses::{self, MarkKeeping};
 use crate::relay::replay::{self, ReplayOutcome};
 use crate::relay::round::{self, Flight, RoundTimings, TickOutcome};
 use crate::relay::settings::{self, adopt_own_settings, redis_config, warn_about_settings};
-use crate::relay::settle;
 use crate::relay::spi::SpiDatabase;
 use crate::relay::state::RoundState;
 use crate::relay::tick_settings::TickSettings;
 use crate::relay::txn;
+use crate::relay::{read, settle};
 use crate::shared::in_flight;
 use crate::shared::{self, ExtensionState};
 
@@ -163,7 +163,7 @@ pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     let mut relay = Relay {
         slot,
         sink: RedisSink::new(),
-        db: SpiDatabase::new(settle::KEPT),
+        db: SpiDatabase::new(&[read::KEPT, settle::KEPT]),
         state: RoundState::default(),
         flight: None,
         backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed()),
