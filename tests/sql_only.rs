@@ -54,7 +54,11 @@ const DATABASE: &str = "app";
 
 impl SqlOnly {
     fn start() -> SqlOnly {
-        let pg = Cluster::builder(PgInstall::under_test()).for_tests().start();
+        SqlOnly::start_with(&[])
+    }
+
+    fn start_with(settings: &[&str]) -> SqlOnly {
+        let pg = Cluster::builder(PgInstall::under_test()).for_tests().settings(settings).start();
         let mut admin = pg.connect();
         let preloaded: String = admin.query_one("SHOW shared_preload_libraries", &[]).unwrap().get(0);
         assert!(!preloaded.contains("outbox_pg"), "{preloaded}");
@@ -736,6 +740,25 @@ fn a_writer_in_flight_keeps_the_relay_awake_until_it_commits() {
     // 4. A writer that comes now finds the relay asleep, and wakes it at its commit.
     writer.batch_execute("SELECT outbox_enqueue('payment', '2', 'e', '{}')").unwrap();
     assert_eq!(relay.received_before_marker(&mut writer), [(pid, String::new())]);
+}
+
+/// Where transactions may be prepared, writers never notify: PREPARE TRANSACTION refuses a
+/// transaction that sent a NOTIFY, so a sleeping relay would make the application's prepares fail
+/// now and then. The relay finds those events at its poll interval.
+#[test]
+fn a_transaction_that_enqueued_can_be_prepared_while_a_relay_sleeps() {
+    let only = SqlOnly::start_with(&["max_prepared_transactions = 2"]);
+    let mut relay = Listener::start(&only.pg, DATABASE);
+    let mut writer = connect_as(&only.pg, DATABASE, WRITER);
+    writer
+        .batch_execute(
+            "BEGIN; SELECT outbox_enqueue('payment', '1', 'e', '{}'); PREPARE TRANSACTION 'outbox-sql-only';",
+        )
+        .unwrap();
+    connect_as(&only.pg, DATABASE, WRITER).batch_execute("COMMIT PREPARED 'outbox-sql-only'").unwrap();
+    assert_eq!(relay.received_before_marker(&mut writer), []);
+    let committed: i64 = relay.client.query_one("SELECT count(*) FROM outbox.messages", &[]).unwrap().get(0);
+    assert_eq!(committed, 1);
 }
 
 /// The extension's enqueue wakes its relays through shared memory and notifies no one

@@ -503,8 +503,11 @@ BEGIN
     -- last look before sleeping finds what it committed. Awake relays cost writers no NOTIFY
     -- (a notifying commit flushes the WAL alone: half the commits at 8 writers). Every call
     -- asks: PostgreSQL keeps one notification per transaction, and a lock already held is found
-    -- in the backend's own table.
-    IF NOT pg_try_advisory_xact_lock_shared(outbox._wake_key()) THEN
+    -- in the backend's own table. Where transactions may be prepared, none notifies: a
+    -- transaction that sent a NOTIFY cannot be (PREPARE TRANSACTION refuses it), and the relay
+    -- finds the events at its poll interval.
+    IF NOT pg_try_advisory_xact_lock_shared(outbox._wake_key())
+       AND current_setting('max_prepared_transactions') = '0' THEN
         PERFORM pg_notify(outbox._wake_channel(), '');
     END IF;
     shard := (hash & 15)::smallint;
