@@ -116,8 +116,9 @@ COMMENT ON FUNCTION outbox._lock_aggregate(bigint) IS
 -- -------------------------------------------------------------------------------------------------
 -- The commit wake-up (docs/sql-only.md, "Commit wake-up"): relays outside the server LISTEN on this
 -- channel, and outbox_enqueue notifies it with an empty payload when a relay sleeps, i.e. holds
--- the wake key. A relay goes to sleep by taking the key (waiting for the writers that share it to
--- commit), then looks for work once more; so a writer either notifies or is seen by that look.
+-- the wake key. A relay, listening already, goes to sleep by taking the key when no writer shares
+-- it (it never waits for the key: a waiting request makes writers' tries fail, and notify), then
+-- looks for work once more; so a writer either notifies or is seen by that look.
 -- PostgreSQL folds a transaction's identical notifications into one, delivers it at commit, drops
 -- it at rollback or with the subtransaction that sent it, and only to listeners in this database.
 -- Empty, because the relay reads every shard when woken, and LISTEN needs no privilege: a payload
