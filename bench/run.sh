@@ -8,6 +8,7 @@
 #                                    # and table size minute by minute
 #   BENCH_MODE=steady bash bench/run.sh [--quick] [--minutes 10] [--retention 2min]   # the producers' ceiling,
 #                                    # then a window a minute at 75% of it: p99, pending, log size, relay memory
+#   BENCH_SETTING="outbox.linger = '2ms'" BENCH_MODE=... # one more postgresql.conf line for the run
 #   BENCH_MODE=cdc bash bench/run.sh [--quick]     # issue 39 alone: outbox_pg, the polling relay and the CDC
 #                                    # relay (drain, latency, writers' throughput, WAL, the slot's retained WAL)
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default
@@ -41,12 +42,13 @@ cluster=()
 servers=$("$SERVERS" up --dir "$SERVERS_DIR" --pg-config "$PG_CONFIG" "${cluster[@]}" \
   --setting "max_worker_processes = 16" --setting "shared_buffers = '512MB'" --setting "max_wal_size = '4GB'" \
   --setting "wal_level = logical" \
-  --setting "log_autovacuum_min_duration = '1s'" --setting "log_lock_waits = on")
+  --setting "log_autovacuum_min_duration = '1s'" --setting "log_lock_waits = on" \
+  ${BENCH_SETTING:+--setting "$BENCH_SETTING"})
 eval "$servers"
 echo "== redis-server on 127.0.0.1:$REDIS_PORT, PostgreSQL on 127.0.0.1:$PG_PORT (outbox_pg preloaded), in $SERVERS_DIR"
 
 # The reports name the command that made them.
-export BENCH_COMMAND="${BENCH_MODE:+BENCH_MODE=$BENCH_MODE }bash bench/run.sh${*:+ $*}"
+export BENCH_COMMAND="${BENCH_SETTING:+BENCH_SETTING=\"$BENCH_SETTING\" }${BENCH_MODE:+BENCH_MODE=$BENCH_MODE }bash bench/run.sh${*:+ $*}"
 "$TARGET"/release/outbox-bench "${BENCH_MODE:-all}" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
   --redis "redis://127.0.0.1:$REDIS_PORT" --pgbench "$PG_BIN/pgbench" --out "$OUT" \
   $([ "${BENCH_MODE:-all}" = all ] && echo "--cluster $CLUSTER_URL") "$@"
