@@ -18,30 +18,25 @@ cd "$(dirname "$0")/.."
 seconds=${1:-30}
 export PATH="$HOME/.cargo/bin:$PATH"
 PG_CONFIG=${PG_CONFIG:-$(bash scripts/pg-config.sh "${PG_MAJOR:-15}")}
-cargo build -q -p outbox-testkit --bin outbox-servers
-SERVERS=${CARGO_TARGET_DIR:-target}/debug/outbox-servers
+source bench/servers.sh
 DIR=/tmp/opg-notify-cost
-"$SERVERS" down --dir "$DIR" >/dev/null 2>&1 || true
-rm -rf "$DIR"
 listener_pid=""
 cleanup() {
   if [ -n "$listener_pid" ]; then
     exec 3>&- || true
     wait "$listener_pid" || true
   fi
-  "$SERVERS" down --dir "$DIR" >/dev/null
+  stop_servers
 }
 trap cleanup EXIT
-servers=$("$SERVERS" up --dir "$DIR" --sql-only --pg-config "$PG_CONFIG" --setting "shared_buffers = '512MB'" \
-  --setting "max_wal_size = '4GB'" --setting "track_wal_io_timing = on")
-eval "$servers"
-psql() { "$PG_BIN/psql" -X -q -At -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 "$@"; }
+start_servers "$DIR" --sql-only --setting "shared_buffers = '512MB'" --setting "max_wal_size = '4GB'" \
+  --setting "track_wal_io_timing = on"
 bash scripts/sql-only.sh >"$DIR/notify.sql"
-gate="IF NOT pg_try_advisory_xact_lock_shared(outbox._wake_key()) THEN"
+gate="IF NOT pg_try_advisory_xact_lock_shared(outbox._wake_key())"
 grep -cF "$gate" "$DIR/notify.sql" | grep -qx 1 ||
   { echo "notify-cost.sh: outbox_enqueue's wake-up is not where this script looks for it" >&2; exit 1; }
 # silent: neither the wake key nor the NOTIFY.
-sed "s/$gate/IF false THEN/" "$DIR/notify.sql" >"$DIR/silent.sql"
+sed "s/$gate/IF false/" "$DIR/notify.sql" >"$DIR/silent.sql"
 for db in notify silent; do
   psql -d postgres -c "CREATE DATABASE $db"
   psql -d "$db" -f "$DIR/$db.sql"
@@ -59,11 +54,10 @@ start_listener() {
   listener_pid=$!
   exec 3>"$DIR/listen.fifo"
   echo "SELECT pg_advisory_lock(outbox._wake_key()) WHERE '$1' = 'notify'; LISTEN $channel;" >&3
-  local deadline=$((SECONDS + 60))
-  until [ "$(psql -d postgres -c "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND state = 'idle'")" = 1 ]; do
-    [ $SECONDS -lt $deadline ] || { echo "notify-cost.sh: the listener did not LISTEN" >&2; exit 1; }
-    sleep 0.01
-  done
+  wait_for 60 "the listener to LISTEN" listening
+}
+listening() {
+  [ "$(psql -d postgres -c "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND state = 'idle'")" = 1 ]
 }
 # One transaction of one enqueue (autocommit), and one of ten; aggregates drawn from 100,000, so
 # that the 8 clients' order locks rarely meet.

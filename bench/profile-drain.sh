@@ -13,24 +13,10 @@ aggregates=${2:-10000}
 export PATH="$HOME/.cargo/bin:$PATH"
 PG_CONFIG=${PG_CONFIG:-$(bash scripts/pg-config.sh "${PG_MAJOR:-15}")}
 command -v perf >/dev/null || apt-get install -y -q linux-perf >/dev/null
-cargo build -q -p outbox-testkit --bin outbox-servers
-SERVERS=${CARGO_TARGET_DIR:-target}/debug/outbox-servers
-DIR=/tmp/opg-profile-$name
-"$SERVERS" down --dir "$DIR" >/dev/null 2>&1 || true
-rm -rf "$DIR"
-trap '"$SERVERS" down --dir "$DIR" >/dev/null' EXIT
-servers=$("$SERVERS" up --dir "$DIR" --pg-config "$PG_CONFIG" --setting "shared_buffers = '512MB'" \
-  --setting "max_wal_size = '4GB'" --setting "outbox.enabled = off")
-eval "$servers"
-# Polls `$1` (a command) until it succeeds, for at most five minutes.
-wait_for() {
-  local deadline=$((SECONDS + 300))
-  until eval "$1"; do
-    [ $SECONDS -lt $deadline ] || { echo "profile-drain.sh: timed out waiting for: $1" >&2; exit 1; }
-    sleep 0.01
-  done
-}
-psql() { "$PG_BIN/psql" -X -q -At -h 127.0.0.1 -p "$PG_PORT" -U postgres -d postgres -v ON_ERROR_STOP=1 "$@"; }
+source bench/servers.sh
+trap stop_servers EXIT
+start_servers "/tmp/opg-profile-$name" --setting "shared_buffers = '512MB'" --setting "max_wal_size = '4GB'" \
+  --setting "outbox.enabled = off"
 psql -c "ALTER SYSTEM SET outbox.redis_url = 'redis://127.0.0.1:$REDIS_PORT'" -c "SELECT pg_reload_conf()" >/dev/null
 psql -c "CREATE EXTENSION IF NOT EXISTS outbox_pg" 2>/dev/null
 for run in 1 2 3; do
@@ -39,16 +25,16 @@ for run in 1 2 3; do
                jsonb_build_object('n', i, 'pad', repeat('x', 48)))) FROM generate_series($first, $first + 9999) i" >/dev/null
   done
   pid=""
-  wait_for 'pid=$(psql -c "SELECT outbox.relay_pid()"); [ -n "$pid" ]'
+  wait_for 300 "the relay" 'pid=$(psql -c "SELECT outbox.relay_pid()"); [ -n "$pid" ]'
   perf record -q -F 2000 -g -p "$pid" -o "/tmp/opg-profile-$name-$run.data" 2>/dev/null &
   perf_pid=$!
-  wait_for '[ -s "/tmp/opg-profile-$name-$run.data" ]'
+  wait_for 300 "perf to record" '[ -s "/tmp/opg-profile-$name-$run.data" ]'
   started=$(date +%s.%N)
   psql -c "ALTER SYSTEM SET outbox.enabled = on" -c "SELECT pg_reload_conf()" >/dev/null
-  wait_for '[ "$(redis-cli -p "$REDIS_PORT" XLEN outbox:bench)" -ge $((run * 100000)) ]'
+  wait_for 300 "the drain" '[ "$(redis-cli -p "$REDIS_PORT" XLEN outbox:bench)" -ge $((run * 100000)) ]'
   ended=$(date +%s.%N)
   kill -INT "$perf_pid"; wait "$perf_pid" || true
   echo "$name run $run: $(echo "100000 / ($ended - $started)" | bc -l | cut -d. -f1) events/s"
   psql -c "ALTER SYSTEM SET outbox.enabled = off" -c "SELECT pg_reload_conf()" >/dev/null
-  wait_for '[ "$(psql -c "SELECT outbox.oldest_pending_age() IS NULL")" = t ]'
+  wait_for 300 "the last finish" '[ "$(psql -c "SELECT outbox.oldest_pending_age() IS NULL")" = t ]'
 done
