@@ -62,7 +62,7 @@ pub struct PgDatabase {
 impl PgDatabase {
     /// Connects to `url` (a `postgresql://` URL or `key=value` string) with application_name
     /// `outbox-relay`, TCP keepalives and a connect timeout (each unless the URL sets it), and
-    /// `LISTEN`s on the wake channel. `PGPASSWORD` is used when the URL has no password.
+    /// `LISTEN`s on the wake channel unless the server is a standby. `PGPASSWORD` is used when the URL has no password.
     pub fn connect(url: &str, options: &ConnectOptions) -> Result<PgDatabase, DbError> {
         let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| DbError::new(e.to_string()))?;
         if config.get_application_name().is_none() {
@@ -86,12 +86,20 @@ impl PgDatabase {
         }
         let mut client = config.connect(NoTls).map_err(db_error)?;
         let who = client
-            .query_one("SELECT pg_backend_pid(), current_user::text, current_database()::text", &[])
+            .query_one(
+                "SELECT pg_backend_pid(), current_user::text, current_database()::text, pg_is_in_recovery()",
+                &[],
+            )
             .map_err(db_error)?;
         let (backend_pid, role, database) = (who.get(0), who.get(1), who.get(2));
+        let standby: bool = who.get(3);
         let mut db =
             PgDatabase { client, prepared: HashMap::new(), listening: Vec::new(), backend_pid, role, database };
-        db.listen(DEFAULT_WAKE_CHANNEL)?;
+        // A standby refuses LISTEN (and is never published from: src/readiness.rs); once promoted,
+        // the relay listens when it finds the schema ready, before its last look.
+        if !standby {
+            db.listen(DEFAULT_WAKE_CHANNEL)?;
+        }
         Ok(db)
     }
 

@@ -101,6 +101,10 @@ pub fn check_in(db: &mut dyn Statements) -> Result<Readiness, DbError> {
     if first::<bool>(&db.select("SELECT pg_catalog.to_regnamespace('outbox') IS NULL", &[])?)?.unwrap_or(true) {
         return Ok(Readiness::MissingSchema);
     }
+    // Before anything that names the schema's objects: without USAGE, naming one is an error.
+    if !first::<bool>(&db.select("SELECT pg_catalog.has_schema_privilege('outbox', 'USAGE')", &[])?)?.unwrap_or(false) {
+        return Ok(Readiness::MissingPrivilege(vec!["USAGE on schema outbox".into()]));
+    }
     let version = installed_version(db)?;
     if let Some(found) = &version {
         if found != RELAY_VERSION {
