@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+// Each test binary names a few of them.
+#[allow(unused_imports)]
 pub use outbox_testkit::{run, wait_for, Cluster, PgInstall, TempDir, DEADLINE};
 
 pub const OWNER: &str = "app_owner";
