@@ -44,19 +44,21 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --no-default-features --features "$FEATURES" -- -D warnings
 cargo clippy --no-default-features --features "pg$PG_MAJOR" -- -D warnings  # a production build
-cargo clippy -p outbox-sink -p outbox-round -p outbox-protocol -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
+cargo clippy -p outbox-sink -p outbox-round -p outbox-protocol -p outbox-relay -p outbox-consumer -p outbox-bench -p outbox-demo -p outbox-testkit -p outbox-pgxn --all-targets -- -D warnings
 
 # OUTBOX_TESTS names a part of the suite (.ci/run on 16 and 17): "lib" (the unit tests, the sink
 # crate's too, and the #[pg_test]s), integration test files of tests/ by name, and "pgxn"
-# (META.json, pgxn/), e.g. "lib relay faults". Default: all, with the consumer crate's tests and
-# pgxn.
+# (META.json, pgxn/) and "outside" (outbox-relay, the relay outside the server: outside/), e.g.
+# "lib relay faults". Default: all, with the consumer crate's tests, pgxn and outside.
 targets=()
 lib=0
 pgxn=0
+outside=0
 for name in ${OUTBOX_TESTS:-}; do
   case "$name" in
     lib) targets+=(--lib); lib=1 ;;
     pgxn) pgxn=1 ;;
+    outside) outside=1 ;;
     *) targets+=(--test "$name") ;;
   esac
 done
@@ -85,4 +87,11 @@ if [ -z "${OUTBOX_TESTS:-}" ]; then
 elif [ "$pgxn" = 1 ]; then
   echo "== cargo test -p outbox-pgxn"
   cargo test -p outbox-pgxn -- "$@"
+fi
+
+# outbox-relay (outside/, no pgrx): its unit tests, and its integration tests against servers that
+# do not preload the library, with the SQL-only install (PG_CONFIG's installation).
+if [ -z "${OUTBOX_TESTS:-}" ] || [ "$outside" = 1 ]; then
+  echo "== cargo test -p outbox-relay"
+  cargo test -p outbox-relay -- "$@"
 fi
