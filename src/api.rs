@@ -18,14 +18,12 @@ mod outbox {
     #[pg_extern(volatile, parallel_unsafe, name = "_check_allowed_stream")]
     fn check_allowed_stream_for_replay(stream: &str) {
         let patterns = guc::allowed_streams();
-        if !crate::enqueue::streams::allows_every_stream(&patterns)
-            && !crate::enqueue::streams::allowed(&patterns, stream)
-        {
+        if !outbox_sink::streams::allows_every_stream(&patterns) && !outbox_sink::streams::allowed(&patterns, stream) {
             ErrorReport::new(
                 PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE,
                 format!(
                     "outbox.replay: stream \"{}\" (to_stream) is not allowed by outbox.allowed_streams",
-                    crate::enqueue::streams::shown(stream)
+                    outbox_sink::streams::shown(stream)
                 ),
                 "outbox.replay",
             )

@@ -873,7 +873,7 @@ unsafe extern "C-unwind" fn check_allowed_streams(
     _source: pg_sys::GucSource::Type,
 ) -> bool {
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
-    unsafe { check_string(newval, crate::enqueue::streams::validate, None) }
+    unsafe { check_string(newval, outbox_sink::streams::validate, None) }
 }
 
 /// Refuses an `outbox.cloudevents_source` that is not a URI reference or names an unknown

@@ -19,6 +19,7 @@ pub mod marks;
 pub mod node;
 pub mod redis;
 pub mod sentinel;
+pub mod streams;
 
 use std::time::Duration;
 

@@ -6,9 +6,9 @@ use pgrx::pg_sys;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 
-use crate::enqueue::streams;
 use crate::guc;
 use crate::shared;
+use outbox_sink::streams;
 
 /// Refuses, for `outbox_enqueue`, when no relay would deliver the event: the library is not
 /// preloaded, or `outbox.databases` leaves this database out.

@@ -24,7 +24,6 @@ use crate::log::columns::{Column, Row};
 
 pub mod checks;
 pub mod order;
-pub mod streams;
 pub mod trace;
 pub mod wake;
 

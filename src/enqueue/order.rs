@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use pgrx::pg_sys;
 
 /// Shards of the log: the unit of work relays claim (`outbox.shards` has one row per shard).
-pub const SHARDS: u64 = 16;
+pub use outbox_round::SHARDS;
 
 /// Order locks one transaction takes at most.
 pub const MAX_ORDER_LOCKS: u32 = 256;

@@ -13,11 +13,11 @@
 //! - `datums`: relations, columns and values read without the executor.
 
 pub mod append;
-pub mod batch;
+pub use outbox_round::window as batch;
 pub mod columns;
 pub mod counters;
 pub mod datums;
 pub mod pending;
-pub mod snapshot;
+pub use outbox_round::snapshot;
 pub mod tables;
 pub mod window;

@@ -32,20 +32,9 @@ use std::collections::HashMap;
 use pgrx::pg_sys::panic::ErrorReport;
 use pgrx::prelude::*;
 
-pub use crate::log::batch::{Budget, LogEvent, Position, ROUND_EVENTS};
+pub use crate::log::batch::{Budget, LogEvent, Position, WindowRead};
 pub use crate::log::snapshot::Snapshot;
 use crate::log::tables::{Bound, LogTables};
-
-/// One shard's part of a round.
-#[derive(Debug, Default)]
-pub struct WindowRead {
-    /// In publish order.
-    pub events: Vec<LogEvent>,
-    /// Whether these events finish the window: the shard's cursor may move to its `upto`.
-    pub complete: bool,
-    /// Where the window stands after these events, when they do not finish it.
-    pub position: Option<Position>,
-}
 
 /// The transactions of each window being published in parts (by shard), with their largest ids,
 /// in publish order. Listing them reads only the index; a relay keeps the list for the rounds
@@ -230,7 +219,7 @@ fn window_transactions(shard: i16, cursor: &Snapshot, upto: &Snapshot) -> Vec<(u
 /// aggregate's next event gets again. The commit log keeps, for asynchronous commits, the LSN to
 /// flush up to (`TransactionIdGetCommitLSN`, per group of transactions); synchronous commits are
 /// on disk already and need nothing, so a relay serving only those never flushes.
-pub fn flush_commits(txids: impl Iterator<Item = u64>) {
+pub fn flush_commits(txids: &mut dyn Iterator<Item = u64>) {
     let mut upto: pg_sys::XLogRecPtr = 0;
     let mut last = None;
     for txid in txids {

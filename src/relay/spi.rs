@@ -1,17 +1,23 @@
 //! The round's database interface (outbox-round's `Database` and `Statements`) over SPI: the
 //! background worker's connection. A transaction is `txn::attempt` (a raised error becomes an
 //! `Err`, the transaction aborted); values become datums of their own type OIDs, and a column
-//! becomes a value by its type OID.
+//! becomes a value by its type OID. The log's windows and counters are read with the index walks
+//! of src/log/ rather than statements (faster: docs/performance.md), and the installation is the
+//! extension's OID, read from the catalog cache.
 
 use std::panic::AssertUnwindSafe;
 
-use outbox_round::db::{Database, DbError, Kind, Row, Statements, Value};
+use outbox_round::db::{first, Database, DbError, Kind, Row, Statements, Value};
+use outbox_round::snapshot::Snapshot;
+use outbox_round::window::{Budget, Position, WindowRead};
 use pgrx::datum::DatumWithOid;
 use pgrx::pg_sys;
 use pgrx::pg_sys::Oid;
 use pgrx::spi::{OwnedPreparedStatement, SpiClient, SpiHeapTupleData};
 use pgrx::{PgOid, Spi};
 
+use crate::log::window::{read_shard, WindowPlans};
+use crate::log::{counters, window};
 use crate::relay::txn;
 
 /// The worker's connection: SPI, and the plans it keeps.
@@ -29,7 +35,7 @@ impl SpiDatabase {
     pub fn new(keep: &[&'static [&'static str]]) -> SpiDatabase {
         let keep: Vec<&'static str> = keep.iter().flat_map(|list| list.iter().copied()).collect();
         let plans = keep.iter().map(|_| None).collect();
-        SpiDatabase { kept: KeptPlans { keep, plans } }
+        SpiDatabase { kept: KeptPlans { keep, plans, windows: WindowPlans::default() } }
     }
 }
 
@@ -51,6 +57,8 @@ struct KeptPlans {
     keep: Vec<&'static str>,
     /// The plan of each statement of `keep`, with the argument types it was prepared for.
     plans: Vec<Option<(Vec<Oid>, OwnedPreparedStatement)>>,
+    /// The transactions of the windows this relay publishes in parts (src/log/window.rs).
+    windows: WindowPlans,
 }
 
 struct SpiStatements<'a, 'conn> {
@@ -120,6 +128,48 @@ impl Statements for SpiStatements<'_, '_> {
 
     fn execute(&mut self, sql: &str, args: &[Value]) -> Result<u64, DbError> {
         Ok(self.run(sql, args, true)?.len() as u64)
+    }
+
+    fn read_window(
+        &mut self,
+        shard: i16,
+        cursor: &Snapshot,
+        upto: &Snapshot,
+        from: Option<Position>,
+        budget: &mut Budget,
+    ) -> Result<WindowRead, DbError> {
+        Ok(read_shard(shard, cursor, upto, from, budget, &mut self.kept.windows))
+    }
+
+    fn forget_window(&mut self, shard: i16) {
+        self.kept.windows.forget(shard);
+    }
+
+    fn last_seqs(&mut self, aggregates: &[(String, String)]) -> Result<Vec<Option<i64>>, DbError> {
+        Ok(counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str()))))
+    }
+
+    fn flush_commits(&mut self, txids: &mut dyn Iterator<Item = u64>) {
+        window::flush_commits(txids);
+    }
+
+    fn installation(&mut self) -> Result<Option<u32>, DbError> {
+        // SAFETY: a catalog lookup inside a transaction; missing_ok, so it returns InvalidOid
+        // rather than raising.
+        let oid = unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) };
+        Ok((oid != pg_sys::InvalidOid).then(|| oid.to_u32()))
+    }
+
+    fn installed_version(&mut self) -> Result<Option<String>, DbError> {
+        let Some(oid) = self.installation()? else { return Ok(None) };
+        first::<String>(
+            &self.query("SELECT extversion::text FROM pg_catalog.pg_extension WHERE oid = $1", &[oid.into()])?,
+        )
+    }
+
+    fn database_oid(&mut self) -> Result<u32, DbError> {
+        // SAFETY: set for every connected backend.
+        Ok(unsafe { pg_sys::MyDatabaseId }.to_u32())
     }
 }
 

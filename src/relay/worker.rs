@@ -115,6 +115,7 @@ struct Relay {
 #[unsafe(no_mangle)]
 pub extern "C-unwind" fn outbox_pg_relay_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    outbox_round::hooks::install(round_hooks());
     let database_oid = pg_sys::Oid::from(arg.value() as u32);
     // "<slot>", or "<slot> copy-reported" (src/relay/launcher.rs, start_relay).
     let extra = BackgroundWorker::get_extra();
@@ -381,6 +382,8 @@ impl Relay {
             full_read: Instant::now() >= self.full_read_at,
             max_attempts: guc::max_attempts(),
             retry_delay_ms: guc::retry_delay_ms(),
+            redis_timeout: guc::redis_timeout(),
+            replay_on_loss: guc::replay_on_loss(),
         }
     }
 
@@ -722,7 +725,7 @@ impl Relay {
     /// own stored when they moved, at most once a second, so that a relay started anew knows
     /// them.
     fn keep_marks(&mut self) -> Result<(), String> {
-        self.marks.keep(&mut self.db, &mut self.sink, self.slot)
+        self.marks.keep(&mut self.db, &mut self.sink, self.slot, guc::retention_s())
     }
 
     /// Logs what a new connection learnt of the server, then records and logs the losses the
@@ -785,6 +788,30 @@ impl Relay {
 }
 
 /// The name of the database this relay is connected to (inside a transaction).
+/// What the round tells this process (outbox-round's hooks): PostgreSQL's log, and the shared
+/// memory of the relays (commit flags, what is in flight and published, repairs).
+fn round_hooks() -> outbox_round::hooks::Hooks {
+    outbox_round::hooks::Hooks {
+        log: |line| log!("{line}"),
+        warning: |line| warning!("{line}"),
+        take_committed_shards: shared::take_committed_shards,
+        mark_shards_committed: shared::mark_shards_committed,
+        wake_relays: shared::wake_relays,
+        in_flight_begin: in_flight::begin,
+        in_flight_clear: in_flight::clear,
+        add_published: shared::add_published,
+        raise_repairs: shared::raise_repairs,
+        #[cfg(feature = "fault-injection")]
+        after_publish: crate::faults::after_publish,
+        #[cfg(not(feature = "fault-injection"))]
+        after_publish: |_| {},
+        #[cfg(feature = "fault-injection")]
+        after_finish: crate::faults::after_finish,
+        #[cfg(not(feature = "fault-injection"))]
+        after_finish: |_| {},
+    }
+}
+
 fn current_database() -> String {
     // SAFETY: MyDatabaseId is set once connected; get_database_name returns a palloc'd copy or NULL.
     unsafe {

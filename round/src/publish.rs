@@ -6,9 +6,9 @@
 use outbox_sink::event::OutboxEvent;
 use outbox_sink::redis::{BrokerError, EntryOutcome};
 
-use crate::relay::read::Batch;
-use crate::relay::settle::Settlement;
-use crate::relay::tick_settings::{Map, Set, TickSettings};
+use crate::read::Batch;
+use crate::settle::Settlement;
+use crate::tick_settings::{Map, Set, TickSettings};
 
 /// Where an event of the publish list came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,7 +200,7 @@ pub fn deferred_by_stream_change(events: &[OutboxEvent], stream_template: &str) 
 #[cfg(test)]
 mod tests {
     use super::{deferred_by_stream_change, next_pipeline, PipelineLimits, Source};
-    use crate::relay::read::{allowance_order, distinct_aggregates, shards_to_read, AfterRead, ShardClaim, ShardRead};
+    use crate::read::{allowance_order, distinct_aggregates, shards_to_read, AfterRead, ShardClaim, ShardRead};
     use outbox_sink::event::OutboxEvent;
 
     fn event(id: i64, aggregate_id: &str, stream: Option<&str>) -> OutboxEvent {

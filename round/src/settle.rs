@@ -6,15 +6,14 @@
 
 use std::collections::BTreeSet;
 
-use outbox_round::db::{first, Database, DbError};
+use crate::db::{first, Database, DbError};
 use outbox_sink::entry::OutboxEvent;
 use outbox_sink::marks::Mark;
 
-use crate::relay::losses;
-use crate::relay::read::{Batch, ShardBatch};
-use crate::relay::readiness::installation;
-use crate::relay::state::RoundState;
-use crate::relay::tick_settings::TickSettings;
+use crate::losses;
+use crate::read::{Batch, ShardBatch};
+use crate::state::RoundState;
+use crate::tick_settings::TickSettings;
 
 const HOLD: &str = "SELECT outbox._hold($1::uuid[], $2, $3, $4, $5)";
 const SETTLE_HELD: &str = "SELECT outbox._settle_held($1, $2, $3, $4, $5)";
@@ -64,8 +63,7 @@ pub struct Finished {
 }
 
 /// Writes the round's outcome in one transaction, if the log still belongs to the installation
-/// the batch was read from. Still tied to the server: that installation is the extension's OID,
-/// read from the backend (`installation`).
+/// the batch was read from (`Statements::installation`).
 pub fn finish(
     db: &mut impl Database,
     mut settlement: Settlement,
@@ -147,7 +145,7 @@ pub fn finish(
         losses::write_marks(db, &settlement.marks_target, &settlement.marks)?;
         // Checked after the writes, in their transaction: the rows they touched stay locked until
         // it ends, so a DROP EXTENSION cannot slip in between this check and the commit.
-        if installation() != read_from {
+        if db.installation()? != Some(read_from) {
             return Err(DbError::new(
                 "outbox_pg was dropped and created again while this batch was being published; nothing was finished",
             ));

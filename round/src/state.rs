@@ -1,15 +1,12 @@
-//! What a relay keeps from one round to the next, owned by its worker loop and passed to every
-//! round: the claim it may keep for a while, the shards it held (for the commit flags), the
-//! transactions of the windows it publishes in parts, when it last checked the extension's
-//! version. With the round left in flight (src/relay/round.rs, `Flight`, kept beside it by the
-//! worker) and the plans its connection keeps (src/relay/spi.rs), nothing else carries state
-//! between rounds.
+//! What a relay keeps from one round to the next, owned by its loop and passed to every round:
+//! the claim it may keep for a while, the shards it held (for the commit flags), when it last
+//! checked the installation's version. With the round left in flight (round/src/round.rs,
+//! `Flight`, kept beside it by the relay) and what its connection keeps (the plans and the
+//! windows published in parts: src/relay/spi.rs), nothing else carries state between rounds.
 
 use std::time::{Duration, Instant};
 
-use pgrx::prelude::*;
-
-use crate::log::window::{WindowPlans, ROUND_EVENTS};
+use crate::window::ROUND_EVENTS;
 
 /// A relay's state between rounds (see the module's header).
 #[derive(Default)]
@@ -20,11 +17,9 @@ pub struct RoundState {
     pub held_shards: u32,
     /// The shard the next round's allowance goes to first (src/relay/read.rs, `allowance_order`).
     pub first_shard: i16,
-    /// The transactions of the windows this relay publishes in parts (src/log/window.rs).
-    pub plans: WindowPlans,
     /// The installation last found at the library's version, and when: the version is read again
     /// at most once a second (an ALTER EXTENSION UPDATE keeps the OID), not every round.
-    pub version_checked: Option<(pg_sys::Oid, Instant)>,
+    pub version_checked: Option<(u32, Instant)>,
     /// How many events a round may take: fewer after exchanges that timed out.
     pub allowance: RoundAllowance,
 }
@@ -110,7 +105,7 @@ impl RoundAllowance {
 /// the shards it gave this relay.
 struct KeptClaim {
     taken: Instant,
-    installation: pg_sys::Oid,
+    installation: u32,
     share: usize,
     shards: Vec<i16>,
 }
@@ -147,7 +142,7 @@ impl RoundState {
     /// longer (`claim_kept_behind_flight`).
     pub fn kept_claim(
         &self,
-        installation: pg_sys::Oid,
+        installation: u32,
         share: usize,
         lease: Duration,
         full_read: bool,
@@ -166,7 +161,7 @@ impl RoundState {
     /// Keeps a full claim's outcome (its shards) for the rounds that follow, when they may use it:
     /// `keepable` when it found nothing on the failure path (a lagging shard is no reason to claim
     /// again: the kept claim's read finds the recorded snapshot it reads up to, like the claim).
-    pub fn keep_claim(&mut self, installation: pg_sys::Oid, share: usize, shards: Vec<i16>, keepable: bool) {
+    pub fn keep_claim(&mut self, installation: u32, share: usize, shards: Vec<i16>, keepable: bool) {
         self.kept_claim =
             (keepable && !shards.is_empty()).then(|| KeptClaim { taken: Instant::now(), installation, share, shards });
     }
@@ -180,7 +175,7 @@ impl RoundState {
 #[cfg(test)]
 mod tests {
     use super::{claim_kept_behind_flight, claim_kept_for, RoundAllowance};
-    use crate::log::window::ROUND_EVENTS;
+    use crate::window::ROUND_EVENTS;
     use std::time::{Duration, Instant};
 
     #[test]

@@ -35,4 +35,8 @@ pub struct TickSettings {
     pub full_read: bool,
     pub max_attempts: i32,
     pub retry_delay_ms: i32,
+    /// `outbox.redis_timeout`, named when a round timed out.
+    pub redis_timeout: Duration,
+    /// `outbox.replay_on_loss`: a loss found is repaired by a replay.
+    pub replay_on_loss: bool,
 }

@@ -8,18 +8,17 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_round::db::Database;
+use crate::db::Database;
 use outbox_sink::entry::OutboxEvent;
 use outbox_sink::redis::{BrokerError, RedisSink, Sent};
 
-use crate::relay::publish::{next_pipeline, publish_list, PipelineLimits, PublishList, Source, Tally, PIPELINE_BYTES};
-use crate::relay::read::{read_round, Batch, Read};
-use crate::relay::readiness::Readiness;
-use crate::relay::settle::{finish, Settlement};
-use crate::relay::state::RoundState;
-use crate::relay::tick_settings::TickSettings;
-use crate::shared;
-use crate::shared::in_flight;
+use crate::hooks::{self, hooks};
+use crate::publish::{next_pipeline, publish_list, PipelineLimits, PublishList, Source, Tally, PIPELINE_BYTES};
+use crate::read::{read_round, Batch, Read};
+use crate::readiness::Readiness;
+use crate::settle::{finish, Settlement};
+use crate::state::RoundState;
+use crate::tick_settings::TickSettings;
 
 /// The outcome of one round.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,7 +81,7 @@ struct InFlight(usize);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        in_flight::clear(self.0);
+        (hooks().in_flight_clear)(self.0);
     }
 }
 
@@ -185,7 +184,7 @@ fn run(
         }
         return TickOutcome::Idle;
     }
-    in_flight::begin(settings.slot, claimed);
+    (hooks().in_flight_begin)(settings.slot, claimed);
     let in_flight = InFlight(settings.slot);
     let list = publish_list(&mut batch, settings);
 
@@ -213,7 +212,7 @@ fn run(
                 };
             }
             Err(error) => {
-                after_timeout(state, claimed, &error);
+                after_timeout(state, claimed, &error, settings.redis_timeout);
                 return TickOutcome::BrokerDown { error, published: 0 };
             }
         }
@@ -248,7 +247,7 @@ fn run(
             .and_then(|outcomes| tally.count(&chunk_sources, &chunk, outcomes, settings, &mut settlement));
         if let Err(error) = counted {
             timings.publish += started.elapsed();
-            after_timeout(state, claimed, &error);
+            after_timeout(state, claimed, &error, settings.redis_timeout);
             return TickOutcome::BrokerDown { error, published: tally.published };
         }
     }
@@ -259,16 +258,16 @@ fn run(
 
 /// A round of `events` events failed with `error`: if Redis did not answer it in time, the next
 /// rounds are smaller (`RoundAllowance`, src/relay/state.rs), said once per halving.
-fn after_timeout(state: &mut RoundState, events: usize, error: &BrokerError) {
+fn after_timeout(state: &mut RoundState, events: usize, error: &BrokerError, redis_timeout: Duration) {
     if !error.is_timeout() {
         return;
     }
     if let Some(limit) = state.allowance.timed_out(events, Instant::now()) {
-        pgrx::warning!(
+        hooks::warning(&format!(
             "outbox_pg: Redis did not answer a round of {events} events within outbox.redis_timeout ({} ms); the \
              next rounds take at most {limit} events, more again once Redis answers in time",
-            crate::guc::redis_timeout().as_millis()
-        );
+            redis_timeout.as_millis()
+        ));
     }
 }
 
@@ -290,7 +289,7 @@ fn land(
         .and_then(|outcomes| tally.count(&sources, &events, outcomes, &settings, &mut settlement));
     timings.publish += started.elapsed();
     if let Err(error) = counted {
-        after_timeout(state, claimed, &error);
+        after_timeout(state, claimed, &error, settings.redis_timeout);
         return (TickOutcome::BrokerDown { error, published: tally.published }, false);
     }
     state.allowance.landed(Instant::now());
@@ -326,13 +325,12 @@ fn settle(
     state: &mut RoundState,
     timings: &mut RoundTimings,
 ) -> TickOutcome {
-    #[cfg(feature = "fault-injection")]
-    crate::faults::after_publish(tally.published);
+    (hooks().after_publish)(tally.published);
 
     // Losses the check found before this round wrote are recorded first (a transaction that
     // commits synchronously): the finish stores marks past them, after which a relay started
     // anew, should this one crash, could no longer find them.
-    if let Err(error) = crate::relay::losses::report_found(db, sink) {
+    if let Err(error) = crate::losses::report_found(db, sink, settings.replay_on_loss) {
         return TickOutcome::DatabaseError(error);
     }
     // The marks of what Redis acknowledged go in the finish that marks it published (a crash
@@ -347,9 +345,8 @@ fn settle(
     timings.settle += started.elapsed();
     let dead_lettered = match finished {
         Ok(finished) => {
-            #[cfg(feature = "fault-injection")]
-            crate::faults::after_finish(tally.published);
-            shared::add_published(tally.published as i64);
+            (hooks().after_finish)(tally.published);
+            (hooks().add_published)(tally.published as i64);
             finished.dead_lettered
         }
         Err(error) => {

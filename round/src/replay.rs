@@ -13,16 +13,16 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
-use outbox_round::db::{first, Database, DbError, Row, Value};
+use crate::db::{first, Database, DbError, Row, Value};
 use outbox_sink::entry::{render_stream_template, OutboxEvent, TraceContext};
 use outbox_sink::redis::{BrokerError, EntryOutcome, RedisSink};
-use pgrx::prelude::*;
+use outbox_sink::streams;
 
-use crate::enqueue::streams;
-use crate::relay::losses;
-use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::state::RoundState;
-use crate::relay::tick_settings::TickSettings;
+use crate::hooks;
+use crate::losses;
+use crate::readiness::{readiness, Readiness};
+use crate::state::RoundState;
+use crate::tick_settings::TickSettings;
 
 /// The most events one replay round sends.
 pub const ROUND_EVENTS: usize = 1_000;
@@ -175,14 +175,14 @@ pub fn replay_round(
     }
     let throttled_until = walked.replay.max_rate.filter(|_| sent > 0).map(|rate| {
         let pause = Duration::from_secs_f64(sent as f64 / rate.max(1) as f64);
-        crate::log::datums::timestamptz_text(postgres_now_us() + pause.as_micros() as i64)
+        crate::time::timestamptz_text(postgres_now_us() + pause.as_micros() as i64)
     });
     let id = walked.replay.id;
     let done = walked.done;
     let pid = settings.pid;
     // Losses found before this round wrote, then, with the progress, the marks of what Redis
     // acknowledged (as a live round's finish does).
-    if let Err(error) = losses::report_found(db, sink) {
+    if let Err(error) = losses::report_found(db, sink, settings.replay_on_loss) {
         return ReplayOutcome::DatabaseError(error);
     }
     let (marks_target, marks) = (sink.marks_target(), sink.take_dirty_marks());
@@ -218,14 +218,14 @@ pub fn replay_round(
         Ok(unrepaired) => {
             for (loss, stream) in unrepaired {
                 // A repair that replayed nothing repaired nothing: say so, and what to do instead.
-                warning!(
+                hooks::warning(&format!(
                     "outbox_pg: replay {id} repairing outbox.redis_losses id {loss} replayed no event of stream \"{stream}\": no \
                      retained event published since the loss maps to that stream under the outbox.stream template of now; if \
                      the stream was written under an earlier template, replay its events into it with SELECT \
                      outbox.replay(since => ..., aggregate_types => ARRAY[...], to_stream => '{}'); the loss stays counted in \
                      outbox.stats.redis_data_loss",
                     stream.replace('\'', "''")
-                );
+                ));
             }
             ReplayOutcome::Ran { id, sent, refused, done }
         }

@@ -4,19 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_round::db::{first, DbError, Statements};
-use pgrx::prelude::*;
-
-use crate::relay::state::RoundState;
-
-/// The OID of the installed extension: which installation's log a batch was read from. A finish
-/// checks it is unchanged, because after `DROP EXTENSION` and `CREATE EXTENSION` the cursors and
-/// counters it would write belong to another log.
-pub fn installation() -> pg_sys::Oid {
-    // SAFETY: a catalog lookup inside a transaction; missing_ok, so it returns InvalidOid rather
-    // than raising.
-    unsafe { pg_sys::get_extension_oid(c"outbox_pg".as_ptr(), true) }
-}
+use crate::db::{first, DbError, Statements};
+use crate::hooks;
+use crate::state::RoundState;
 
 /// Whether the relay may run its statements in this database.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,31 +18,26 @@ pub enum Readiness {
     /// with its events and counters: publishing them would duplicate the original's events and
     /// number new ones with the original's `aggregate_seq`s.
     Copied(u32),
-    Ready(pg_sys::Oid),
+    /// Ready, in the installation of this identity (`Statements::installation`).
+    Ready(u32),
 }
 
-/// The library's version: the extension version it was built with and whose statements it calls.
+/// The version of the schema the round's statements are written for: the workspace's version.
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
-/// Checks that the extension is installed, at the version of this library. After a new library is
+/// Checks that outbox_pg is installed, at the version of this library. After a new library is
 /// installed and the server restarted, the database keeps the old extension version until `ALTER
 /// EXTENSION outbox_pg UPDATE`; until then the relay calls nothing (events wait, none is lost).
-/// Still tied to the server: the extension's OID and the database's are read from the backend
-/// (`installation`, `MyDatabaseId`), not by a statement.
 pub fn readiness(db: &mut dyn Statements, state: &mut RoundState) -> Result<Readiness, DbError> {
-    let oid = installation();
-    if oid == pg_sys::InvalidOid {
+    let Some(identity) = db.installation()? else {
         return Ok(Readiness::Missing);
-    }
+    };
     if let Some((checked, at)) = state.version_checked {
-        if checked == oid && at.elapsed() < Duration::from_secs(1) {
-            return Ok(Readiness::Ready(oid));
+        if checked == identity && at.elapsed() < Duration::from_secs(1) {
+            return Ok(Readiness::Ready(identity));
         }
     }
-    let version = first::<String>(
-        &db.query("SELECT extversion::text FROM pg_catalog.pg_extension WHERE oid = $1", &[oid.to_u32().into()])?,
-    )?
-    .unwrap_or_default();
+    let version = db.installed_version()?.unwrap_or_default();
     if version != LIBRARY_VERSION {
         state.version_checked = None;
         return Ok(Readiness::Outdated(version));
@@ -61,8 +46,8 @@ pub fn readiness(db: &mut dyn Statements, state: &mut RoundState) -> Result<Read
         state.version_checked = None;
         return Ok(Readiness::Copied(original));
     }
-    state.version_checked = Some((oid, Instant::now()));
-    Ok(Readiness::Ready(oid))
+    state.version_checked = Some((identity, Instant::now()));
+    Ok(Readiness::Ready(identity))
 }
 
 /// The database this installation was copied from, if it is a copy that carries events or
@@ -71,8 +56,7 @@ pub fn readiness(db: &mut dyn Statements, state: &mut RoundState) -> Result<Read
 /// DATABASE` copies it) is adopted at once, whatever it has enqueued since: it cannot collide
 /// with anything.
 fn copied_from(db: &mut dyn Statements) -> Result<Option<u32>, DbError> {
-    // SAFETY: set for every connected backend.
-    let here = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let here = db.database_oid()?;
     let recorded = first::<u32>(&db.query("SELECT database_oid FROM outbox.installation", &[])?)?;
     let Some(recorded) = recorded.filter(|recorded| *recorded != here) else {
         return Ok(None);
@@ -91,9 +75,8 @@ fn copied_from(db: &mut dyn Statements) -> Result<Option<u32>, DbError> {
         return Ok(Some(recorded));
     }
     db.execute("UPDATE outbox.installation SET database_oid = $1, installed_at = clock_timestamp()", &[here.into()])?;
-    log!(
-        "outbox_pg: this database's outbox_pg was copied from database oid {} and holds no event and no counter; relaying it as its own",
-        recorded
-    );
+    hooks::log(&format!(
+        "outbox_pg: this database's outbox_pg was copied from database oid {recorded} and holds no event and no counter; relaying it as its own"
+    ));
     Ok(None)
 }

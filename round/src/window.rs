@@ -1,5 +1,7 @@
-//! What a round takes from the log, shared by the window rule (`window`) and the index walks
-//! (`tables`): an event with its place in the publish order, and the round's allowance.
+//! What a round takes from the log: an event with its place in the publish order, the round's
+//! allowance, and what a shard's read gives back. The rule that reads a window is the worker's
+//! index walk (src/log/window.rs) or the SQL function `outbox._read_window` outside the server
+//! (`Statements::read_window`).
 
 use outbox_sink::event::OutboxEvent;
 
@@ -15,7 +17,7 @@ pub struct LogEvent {
     /// In a window published in parts, the largest `id` of its transaction in its shard; in a
     /// window read whole, its own `id`. Events go out in (`txn_max_id`, `id`) order.
     pub txn_max_id: i64,
-    /// `aggregate_seq` is 0: the relay assigns it (src/relay/read.rs).
+    /// `aggregate_seq` is 0: the relay assigns it (round/src/read.rs).
     pub event: OutboxEvent,
 }
 
@@ -24,6 +26,17 @@ impl LogEvent {
     pub fn position(&self) -> Position {
         (self.txn_max_id, self.event.id)
     }
+}
+
+/// One shard's part of a round.
+#[derive(Debug, Default)]
+pub struct WindowRead {
+    /// In publish order.
+    pub events: Vec<LogEvent>,
+    /// Whether these events finish the window: the shard's cursor may move to its `upto`.
+    pub complete: bool,
+    /// Where the window stands after these events, when they do not finish it.
+    pub position: Option<Position>,
 }
 
 /// A place in a window's publish order: (a transaction's largest id, an id of that transaction).
@@ -41,7 +54,7 @@ pub struct Budget {
 
 impl Budget {
     /// A round's of at most `events` events (fewer than `ROUND_EVENTS` after exchanges that timed
-    /// out: src/relay/state.rs, `RoundAllowance`).
+    /// out: round/src/state.rs, `RoundAllowance`).
     pub fn round_of(events: usize) -> Budget {
         Budget { events: events.clamp(1, ROUND_EVENTS), bytes: ROUND_BYTES, taken: 0 }
     }

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
-use outbox_round::db::{first, Database, DbError};
+use crate::db::{first, Database, DbError};
 
-use crate::relay::losses::REPAIRS_RUNNING;
-use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::replay::REPLAYS_RUNNING;
-use crate::relay::state::RoundState;
+use crate::losses::REPAIRS_RUNNING;
+use crate::readiness::{readiness, Readiness};
+use crate::replay::REPLAYS_RUNNING;
+use crate::state::RoundState;
 
 const REAP: &str = "SELECT outbox._reap_shards($1)";
 const RECORD_SNAPSHOT: &str = "SELECT outbox._record_snapshot($1)";

@@ -1,20 +1,20 @@
 //! The first part of a round: claim this relay's shards (or keep the last claim) and read what the
-//! round publishes: each shard's window, or its next part (src/log/window.rs), the failure path's
+//! round publishes: each shard's window, or its next part (round/src/window.rs), the failure path's
 //! due events, and the counters of the round's aggregates. One short transaction, which writes only
 //! when shards change hands.
 
 use std::time::Duration;
 
-use outbox_round::db::{Database, DbError, Row, Statements};
+use crate::db::{Database, DbError, Row, Statements};
 use outbox_sink::event::{OutboxEvent, TraceContext};
-use pgrx::prelude::*;
 
-use crate::log::counters;
-use crate::log::window::{read_shard, Budget, LogEvent, Snapshot};
-use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::state::RoundState;
-use crate::relay::tick_settings::{Map, Set, TickSettings};
-use crate::shared;
+use crate::hooks::hooks;
+use crate::readiness::{readiness, Readiness};
+use crate::snapshot::Snapshot;
+use crate::state::RoundState;
+use crate::tick_settings::{Map, Set, TickSettings};
+use crate::window::{Budget, LogEvent};
+use crate::SHARDS;
 
 const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded, window_max_id, window_last_id \
                      FROM outbox._claim_shards($1, $2, $3)";
@@ -26,7 +26,7 @@ const HELD_AGGREGATES: &str = "SELECT outbox._held_aggregates($1, $2, $3)";
 /// What a round on a kept claim reads instead of claiming, per shard this relay holds
 /// (src/sql/relay/claim.sql): `$2`, indexed by shard + 1, overrides a cursor with where a round in
 /// flight leaves it.
-pub(crate) const HELD: &str = "SELECT shard, cursor, window_upto, window_max_id, window_last_id, now, recorded \
+pub const HELD: &str = "SELECT shard, cursor, window_upto, window_max_id, window_last_id, now, recorded \
                                  FROM outbox._held_shards($1, $2)";
 
 /// The read's statements whose plans a connection keeps (src/relay/spi.rs): the claim or the kept
@@ -45,7 +45,7 @@ pub struct ShardBatch {
     /// The cursor to store when the batch is finished.
     pub next_cursor: String,
     /// For a window published in parts and not finished by this round: its end and the position
-    /// reached (src/log/window.rs).
+    /// reached (round/src/window.rs).
     pub window: Option<(String, (i64, i64))>,
     /// Whether the cursor is stored at all: a shard with no events moves only now and then.
     pub advance: bool,
@@ -74,9 +74,9 @@ fn position(max_id: Option<i64>, last_id: Option<i64>) -> Option<(i64, i64)> {
 /// What a round read.
 #[derive(Debug, Default)]
 pub struct Batch {
-    pub installation: pg_sys::Oid,
+    pub installation: u32,
     pub shards: Vec<ShardBatch>,
-    /// From the log, in publish order (src/log/window.rs), each with its `aggregate_seq` assigned.
+    /// From the log, in publish order (round/src/window.rs), each with its `aggregate_seq` assigned.
     pub events: Vec<OutboxEvent>,
     /// Their aggregates' counters after the batch: (type, id, last_seq, whether the read found
     /// the counter: the finish upserts those and plain-INSERTs the others).
@@ -102,7 +102,7 @@ impl Batch {
     /// reads those shards again.
     pub fn give_back(self) {
         if self.flags_taken != 0 {
-            shared::mark_shards_committed(self.flags_taken);
+            (hooks().mark_shards_committed)(self.flags_taken);
         }
     }
 }
@@ -153,7 +153,7 @@ pub fn shards_to_read(held_before: u32, flagged_before: u32, mine: u32) -> (u32,
 /// previous round's allowance did not reach: while several shards lag, always starting from
 /// shard 0 gave the low shards every round and left the high ones for the end of the drain.
 pub fn allowance_order(shard: i16, in_parts: bool, first: i16) -> (bool, i16) {
-    let shards = crate::enqueue::order::SHARDS as i16;
+    let shards = SHARDS as i16;
     (in_parts, (shard - first).rem_euclid(shards))
 }
 
@@ -240,7 +240,7 @@ pub fn read_round(
             // round's window. (Taken after, a commit between the two was flagged, taken, and not
             // yet in the window: its events then waited for the next full read.)
             let held_before = state.held_shards;
-            let flagged_before = shared::take_committed_shards(held_before);
+            let flagged_before = (hooks().take_committed_shards)(held_before);
             batch.flags_taken = flagged_before;
             let full_read = settings.full_read && after.is_none();
             let mut claimed =
@@ -263,13 +263,13 @@ pub fn read_round(
             let mine: u32 = claimed.iter().fold(0, |mask, c| mask | 1u32 << (c.shard as u32 % 32));
             let (flagged, given_back) = shards_to_read(held_before, flagged_before, mine);
             if given_back != 0 {
-                shared::mark_shards_committed(given_back);
-                shared::wake_relays();
+                (hooks().mark_shards_committed)(given_back);
+                (hooks().wake_relays)();
             }
             state.held_shards = mine;
-            for shard in 0..crate::enqueue::order::SHARDS as i16 {
+            for shard in 0..SHARDS as i16 {
                 if mine & (1u32 << shard) == 0 {
-                    state.plans.forget(shard);
+                    client.forget_window(shard);
                 }
             }
             if claimed.is_empty() {
@@ -283,10 +283,10 @@ pub fn read_round(
             batch.catching_up = claimed.iter().any(|c| c.bounded);
             batch.more |= batch.catching_up;
             // Windows that fit are read whole first; windows published in parts share what is
-            // left of the round's allowance (src/log/window.rs). Each kind from the shard the
+            // left of the round's allowance (round/src/window.rs). Each kind from the shard the
             // last round's allowance did not reach, so that shards lagging together take turns.
             claimed.sort_by_key(|c| allowance_order(c.shard, c.position.is_some(), state.first_shard));
-            let log = read_windows(&claimed, full, &mut batch, state);
+            let log = read_windows(client, &claimed, full, &mut batch, state)?;
             if held_any {
                 let limit = settings.batch_size.min(i32::MAX as usize) as i32;
                 let held = client.query(HELD_DUE, &[shards.clone().into(), limit.into(), settings.in_order.into()])?;
@@ -318,7 +318,7 @@ fn read_kept_claim(
     let mut claimed: Vec<Claimed> = Vec::new();
     let left: Vec<&ShardBatch> =
         after.map(|after| after.shards.iter().filter(|s| s.advance).collect()).unwrap_or_default();
-    let mut cursors: Vec<Option<String>> = vec![None; crate::enqueue::order::SHARDS as usize];
+    let mut cursors: Vec<Option<String>> = vec![None; SHARDS as usize];
     for shard in &left {
         cursors[shard.shard as usize] = Some(shard.next_cursor.clone());
     }
@@ -364,7 +364,7 @@ fn claim_shards(
     client: &mut dyn Statements,
     settings: &TickSettings,
     state: &mut RoundState,
-    installation: pg_sys::Oid,
+    installation: u32,
 ) -> Result<(Vec<Claimed>, bool), DbError> {
     let lease_ms = settings.lease.as_millis().min(i32::MAX as u128) as i32;
     let mut claimed: Vec<Claimed> = Vec::new();
@@ -392,19 +392,25 @@ fn claim_shards(
 /// Reads each claimed shard's window, as much as the round's allowance takes, into the batch's
 /// shards; returns the events read. Flags the shards the allowance did not reach, so that the next
 /// round comes back to them, and starts the next round's allowance at the first of them.
-fn read_windows(claimed: &[Claimed], full: bool, batch: &mut Batch, state: &mut RoundState) -> Vec<LogEvent> {
+fn read_windows(
+    client: &mut dyn Statements,
+    claimed: &[Claimed],
+    full: bool,
+    batch: &mut Batch,
+    state: &mut RoundState,
+) -> Result<Vec<LogEvent>, DbError> {
     let mut first_unread = None;
     let mut budget = Budget::round_of(state.allowance.events());
     let mut log = Vec::new();
     let mut unread = 0u32;
     for c in claimed {
         let parse = |text: &str| {
-            Snapshot::parse(text).unwrap_or_else(|| {
-                error!("outbox_pg: shard {}'s cursor or snapshot {text:?} is not a pg_snapshot", c.shard)
+            Snapshot::parse(text).ok_or_else(|| {
+                DbError::new(format!("outbox_pg: shard {}'s cursor or snapshot {text:?} is not a pg_snapshot", c.shard))
             })
         };
-        let (cursor, upto) = (parse(&c.cursor), parse(&c.upto));
-        let read = read_shard(c.shard, &cursor, &upto, c.position, &mut budget, &mut state.plans);
+        let (cursor, upto) = (parse(&c.cursor)?, parse(&c.upto)?);
+        let read = client.read_window(c.shard, &cursor, &upto, c.position, &mut budget)?;
         let outcome = AfterRead::of(
             &ShardClaim {
                 bounded: c.bounded,
@@ -434,16 +440,16 @@ fn read_windows(claimed: &[Claimed], full: bool, batch: &mut Batch, state: &mut 
             window,
             advance,
         });
-        crate::log::window::flush_commits(read.events.iter().map(|row| row.txid));
+        client.flush_commits(&mut read.events.iter().map(|row| row.txid));
         log.extend(read.events);
     }
     if unread != 0 {
-        shared::mark_shards_committed(unread);
+        (hooks().mark_shards_committed)(unread);
     }
     if let Some(shard) = first_unread {
         state.first_shard = shard;
     }
-    log
+    Ok(log)
 }
 
 /// The events in publish order, each numbered in its aggregate (`aggregate_seq`, from the counters,
@@ -459,12 +465,12 @@ fn number_events(
     shards: Vec<i16>,
 ) -> Result<Vec<OutboxEvent>, DbError> {
     // Each shard's events in its publish order, which is commit order for every aggregate
-    // (src/log/window.rs); the shards' interleave by the same key, which keeps each one's order.
+    // (round/src/window.rs); the shards' interleave by the same key, which keeps each one's order.
     log.sort_unstable_by_key(|event| event.position());
     let mut log: Vec<OutboxEvent> = log.into_iter().map(|row| row.event).collect();
     let aggregates = distinct_aggregates(&log);
     if !aggregates.is_empty() {
-        let mut found = counters::last_seqs(aggregates.iter().map(|(t, i)| (t.as_str(), i.as_str())));
+        let mut found = client.last_seqs(&aggregates)?;
         if let Some(after) = after {
             // That round's counters, as its finish will have written them.
             let left: Map<(&str, &str), i64> =

@@ -6,15 +6,15 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use outbox_round::db::{first, Database, DbError, Statements};
+use crate::db::{first, Database, DbError, Statements};
 use outbox_sink::marks::{Loss, Mark, MAX_STREAMS};
 use outbox_sink::redis::RedisSink;
 use outbox_sink::StreamId;
-use pgrx::prelude::*;
 
-use crate::log::datums::timestamptz_text;
-use crate::relay::readiness::{readiness, Readiness};
-use crate::relay::state::RoundState;
+use crate::hooks;
+use crate::readiness::{readiness, Readiness};
+use crate::state::RoundState;
+use crate::time::timestamptz_text;
 
 const STORE: &str = "SELECT outbox._store_marks($1, $2, $3, $4, $5::timestamptz[])";
 const STORED: &str = "SELECT stream, last_ms, last_seq, written_us FROM outbox._stored_marks($1, $2)";
@@ -59,8 +59,15 @@ impl MarkKeeping {
 
     /// Loads the marks earlier relays stored for the sink's Redis (at start, and after a reload
     /// pointed the relay at another one), stores those that moved outside a finish, and prunes
-    /// the table now and then. Relay `slot` logs when it writes to more streams than it checks.
-    pub fn keep(&mut self, db: &mut impl Database, sink: &mut RedisSink, slot: usize) -> Result<(), String> {
+    /// the table now and then (marks older than `retention_s` go: `outbox.retention`). Relay
+    /// `slot` logs when it writes to more streams than it checks.
+    pub fn keep(
+        &mut self,
+        db: &mut impl Database,
+        sink: &mut RedisSink,
+        slot: usize,
+        retention_s: Option<i32>,
+    ) -> Result<(), String> {
         let target = sink.marks_target();
         if self.loaded.as_deref() != Some(target.as_str()) {
             sink.adopt_marks(stored_marks(db, &target)?);
@@ -76,13 +83,13 @@ impl MarkKeeping {
         }
         if self.pruned_at.elapsed() >= MARKS_PRUNED_EVERY {
             self.pruned_at = Instant::now();
-            prune_marks(db, &target, crate::guc::retention_s())?;
+            prune_marks(db, &target, retention_s)?;
             let forgotten = sink.marks_forgotten();
             if forgotten > self.forgotten_logged {
                 self.forgotten_logged = forgotten;
-                log!(
+                hooks::log(&format!(
                     "outbox_pg: relay {slot} writes to more than {MAX_STREAMS} streams: losses are noticed only in the {MAX_STREAMS} written to most recently ({forgotten} streams forgotten so far)"
-                );
+                ));
             }
         }
         Ok(())
@@ -154,14 +161,14 @@ fn stored_marks(db: &mut impl Database, target: &str) -> Result<Vec<(String, Mar
 }
 
 /// Records the losses the sink's checks found, if any, before a round that wrote after those
-/// checks is finished; on failure they stay in the sink, and the caller finishes nothing.
-pub fn report_found(db: &mut impl Database, sink: &mut RedisSink) -> Result<(), String> {
+/// checks is finished; on failure they stay in the sink, and the caller finishes nothing. With
+/// `replay` (`outbox.replay_on_loss`) each is repaired by a replay.
+pub fn report_found(db: &mut impl Database, sink: &mut RedisSink, replay: bool) -> Result<(), String> {
     let found = sink.take_losses();
     if found.is_empty() {
         return Ok(());
     }
-    report(db, sink.marks_target(), found.clone(), crate::guc::replay_on_loss())
-        .inspect_err(|_| sink.restore_losses(found))
+    report(db, sink.marks_target(), found.clone(), replay).inspect_err(|_| sink.restore_losses(found))
 }
 
 /// Records losses (each once, whichever relay finds it first), forgets the lost streams' stored
@@ -199,7 +206,7 @@ pub fn report(db: &mut impl Database, target: String, losses: Vec<Loss>, replay:
     })?;
     if recorded.iter().any(|(_, _, replay)| replay.is_some()) {
         // Committed: every relay of the database waits for the repair before its next live round.
-        crate::shared::raise_repairs();
+        (hooks::hooks().raise_repairs)();
     }
     for (id, stream, replay) in recorded {
         let Some(loss) = losses.iter().find(|l| l.stream == stream) else { continue };
@@ -224,14 +231,14 @@ pub fn report(db: &mut impl Database, target: String, losses: Vec<Loss>, replay:
             ),
         };
         match replay {
-            Some(replay) => warning!(
+            Some(replay) => hooks::warning(&format!(
                 "outbox_pg: Redis lost entries of stream \"{stream}\" (outbox.redis_losses id {id}): {what}; replaying them \
                  (outbox.replay_on_loss), see outbox.replays id {replay}"
-            ),
-            None => warning!(
+            )),
+            None => hooks::warning(&format!(
                 "outbox_pg: Redis lost entries of stream \"{stream}\" (outbox.redis_losses id {id}): {what}; repair with \
                  SELECT outbox.repair_losses(ARRAY[{id}])"
-            ),
+            )),
         }
     }
     Ok(())
