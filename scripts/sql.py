@@ -275,7 +275,10 @@ def sql_only_body(pg_tle=False):
             parts.append(f"\n-- {os.path.relpath(path, ROOT)}")
             last = path
         parts.append(st.strip("\n") + "\n")
-    return "\n".join(parts).replace("@extschema@", SQL_ONLY_SCHEMA).lstrip("\n")
+    body = "\n".join(parts).replace("@extschema@", SQL_ONLY_SCHEMA).lstrip("\n")
+    # outbox._version() (src/sql/sql_only/library.sql): what outside relays check the schema
+    # against, where no pg_extension row records it.
+    return body.replace("@OUTBOX_VERSION@", version())
 
 
 PG_TLE_TAG = "$_outbox_pg_tle_$"

@@ -9,6 +9,15 @@
 -- commit wake-ups for a replay and an adopted copy are no-ops (an outside relay finds that work
 -- when it polls). outbox_enqueue's wake-up is a NOTIFY (enqueue.sql).
 
+-- The version of this install, which an outside relay checks against its own before it runs a
+-- round (outside/src/readiness.rs): the extension's install records it in pg_extension, this one
+-- here. scripts/sql.py writes the version in.
+CREATE FUNCTION outbox._version() RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $fn$ SELECT '@OUTBOX_VERSION@'::text $fn$;
+
+COMMENT ON FUNCTION outbox._version() IS 'outbox_pg: the version of this SQL-only install (outside relays check it)';
+
 CREATE FUNCTION outbox.relay_pid() RETURNS integer
 LANGUAGE sql VOLATILE PARALLEL SAFE STRICT
 AS $fn$ SELECT NULL::integer $fn$;
