@@ -9,6 +9,7 @@ pub mod log;
 pub mod password;
 pub mod pg;
 pub mod readiness;
+pub mod reads;
 pub mod rounds;
 pub mod run;
 pub mod wake;

@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use outbox_round::db::{Database, DbError, Kind, Row, Statements, Value};
+use outbox_round::snapshot::Snapshot;
+use outbox_round::window::{Budget, Position, WindowRead};
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::{FromSql, IsNull, ToSql, Type};
 use postgres::{Client, NoTls, Statement};
@@ -252,6 +254,29 @@ impl Statements for PgStatements<'_> {
             self.client.execute(&statement, &refs).map_err(db_error)
         })();
         self.remember(result)
+    }
+
+    fn read_window(
+        &mut self,
+        shard: i16,
+        cursor: &Snapshot,
+        upto: &Snapshot,
+        from: Option<Position>,
+        budget: &mut Budget,
+    ) -> Result<WindowRead, DbError> {
+        crate::reads::read_window(self, shard, cursor, upto, from, budget)
+    }
+
+    fn last_seqs(&mut self, aggregates: &[(String, String)]) -> Result<Vec<Option<i64>>, DbError> {
+        crate::reads::last_seqs(self, aggregates)
+    }
+
+    fn installation(&mut self) -> Result<Option<u32>, DbError> {
+        crate::reads::installation(self)
+    }
+
+    fn installed_version(&mut self) -> Result<Option<String>, DbError> {
+        crate::readiness::installed_version(self)
     }
 }
 

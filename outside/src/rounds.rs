@@ -1,29 +1,69 @@
-//! One round of the relay: the single place where outbox-relay runs outbox-round's round (claim,
-//! read, publish to Redis, finish, housekeeping, replay, losses), over its client connection.
+//! One turn of the relay outside the server: outbox-round's round (claim, read, publish to Redis,
+//! finish: the same code the background worker runs), with the bookkeeping around it that the
+//! worker does in src/relay/worker.rs: housekeeping once per poll interval (the reaper, the age of
+//! the oldest pending event, recorded snapshots, retention), the stream marks that notice lost
+//! entries, replay rounds while a replay runs, the next full read, and backoff after a failure.
 //!
-//! **Wired to outbox-round's round by the next commit.** Until then `round` runs the readiness
-//! check alone (src/readiness.rs) and reports no work, so that the process shell around it
-//! (connect, reconnect, the wake-up, signals) runs and is tested as it will be. The signature is
-//! the one the real round keeps: the connection, the relay's state (settings, Redis, what a round
-//! keeps for the next), and what it found.
+//! What differs from the worker, and why: no shared memory, so every outside relay does its own
+//! housekeeping (each statement is idempotent: the reaper frees a shard once, retention truncates a
+//! table once), its share of the shards comes from counting the relays connected to the database
+//! (`pg_stat_activity`), and no commit flags tell it which shards were committed into (every held
+//! shard is read each round: outbox-round's default hooks).
 
-use outbox_round::db::DbError;
+use std::time::{Duration, Instant};
+
+use outbox_round::backoff::Backoff;
+use outbox_round::db::{first, Database, DbError};
+use outbox_round::housekeeping::{self, HousekeepingOutcome};
+use outbox_round::losses::{self, MarkKeeping};
+use outbox_round::replay::{self, ReplayOutcome};
+use outbox_round::round::{self, Flight, RoundTimings, TickOutcome};
+use outbox_round::state::RoundState;
+use outbox_round::tick_settings::TickSettings;
+use outbox_round::SHARDS;
 use outbox_sink::entry::EntrySettings;
 use outbox_sink::redis::RedisSink;
 
 use crate::config::Config;
+use crate::log::{self, Level, OncePerChange};
 use crate::password::PasswordFile;
-use crate::pg::PgDatabase;
+use crate::pg::{PgDatabase, APPLICATION_NAME};
 use crate::readiness::{self, Readiness};
 
-/// What a relay keeps between rounds: its settings, its Redis, how entries are written. The state
-/// outbox-round keeps between rounds (`RoundState`) joins it.
+/// The relays sharing this database's shards: outbox-relay processes connected to it.
+const RELAYS: &str = "SELECT count(*)::int8 FROM pg_catalog.pg_stat_activity \
+                      WHERE datname = pg_catalog.current_database() AND application_name = $1";
+
+/// Retries after a failure of Redis or of the database: 100 ms doubling to 10 s (as the worker's).
+const BACKOFF_BASE: Duration = Duration::from_millis(100);
+const BACKOFF_CAP: Duration = Duration::from_secs(10);
+/// Housekeeping at least this often, and no more often than once per poll interval.
+const HOUSEKEEPING_MIN: Duration = Duration::from_secs(1);
+
+/// What a relay keeps between rounds: its settings, its Redis, how entries are written, and what
+/// outbox-round keeps from one round to the next.
 pub struct Relay {
     pub config: Config,
     pub sink: RedisSink,
     pub entries: EntrySettings,
     /// `OUTBOX_REDIS_PASSWORD`, where the sink reads it.
     _password: Option<PasswordFile>,
+    state: RoundState,
+    flight: Option<Flight>,
+    marks: MarkKeeping,
+    backoff: Backoff,
+    /// No round before this (a failure's backoff).
+    retry_at: Option<Instant>,
+    /// The next full read (every held shard, and a fresh claim) and the next housekeeping.
+    full_read_at: Instant,
+    housekeeping_at: Instant,
+    /// This relay's share of the shards, and when it was counted.
+    share: Option<(usize, Instant)>,
+    replays_running: bool,
+    kept_alive_at: Instant,
+    /// The state last logged (failures, the age alert), each once per change.
+    health: OncePerChange,
+    alert: OncePerChange,
 }
 
 impl Relay {
@@ -34,26 +74,247 @@ impl Relay {
         let mut sink = RedisSink::new();
         sink.configure(config.redis_config(password.as_ref().map(PasswordFile::path)));
         let entries = config.entry_settings(database);
-        Ok(Relay { config, sink, entries, _password: password })
+        let seed = u64::from(std::process::id()) << 20 ^ Instant::now().elapsed().as_nanos() as u64;
+        Ok(Relay {
+            config,
+            sink,
+            entries,
+            _password: password,
+            state: RoundState::default(),
+            flight: None,
+            marks: MarkKeeping::default(),
+            backoff: Backoff::new(BACKOFF_BASE, BACKOFF_CAP, seed),
+            retry_at: None,
+            full_read_at: Instant::now(),
+            housekeeping_at: Instant::now(),
+            share: None,
+            replays_running: false,
+            kept_alive_at: Instant::now(),
+            health: OncePerChange::default(),
+            alert: OncePerChange::default(),
+        })
+    }
+
+    /// A new connection: what a round kept of the old one is gone with it (the claim is the old
+    /// backend's; a round in flight is read and published again: at least once).
+    pub fn reconnected(&mut self) {
+        self.flight = None;
+        self.state = RoundState::default();
+        self.share = None;
+        self.full_read_at = Instant::now();
     }
 }
 
-/// What a round found.
+/// What a turn found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
     /// The database cannot be relayed now (src/readiness.rs): nothing was read or published.
     NotReady(Readiness),
     /// The round ran. `more`: work is waiting (run the next round at once); `wake`: the channel of
-    /// the SQL-only install's commit wake-up, None where there is none (the extension's install).
-    Ran { more: bool, wake: Option<String> },
+    /// the SQL-only install's commit wake-up, None where there is none (the extension's install);
+    /// `retry_in`: a failure's backoff, the longest to wait before the next turn.
+    Ran { more: bool, wake: Option<String>, retry_in: Option<Duration> },
 }
 
-/// Runs one round on `db`. An `Err` is a failure of the database (a statement, a lost
-/// connection: `db.is_closed()` tells); failures of Redis are handled inside, as the worker's are.
+/// Runs one turn on `db`. An `Err` is a failure of the database (a statement, a lost connection:
+/// `db.is_closed()` tells); failures of Redis are handled here, with backoff, as the worker's are.
 pub fn round(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
-    let _ = relay;
-    match readiness::check(db)? {
-        Readiness::Ready { wake, .. } => Ok(Outcome::Ran { more: false, wake }),
-        other => Ok(Outcome::NotReady(other)),
+    let wake = match readiness::check(db)? {
+        Readiness::Ready { wake, .. } => wake,
+        other => {
+            relay.flight = None;
+            return Ok(Outcome::NotReady(other));
+        }
+    };
+    if let Some(retry_at) = relay.retry_at {
+        let left = retry_at.saturating_duration_since(Instant::now());
+        if !left.is_zero() {
+            return Ok(Outcome::Ran { more: false, wake, retry_in: Some(left) });
+        }
+        relay.retry_at = None;
+    }
+    let poll = relay.config.poll_interval;
+    if Instant::now() >= relay.housekeeping_at {
+        housekeep(db, relay)?;
+        relay.housekeeping_at = Instant::now() + poll.max(HOUSEKEEPING_MIN);
+    }
+    let settings = tick_settings(db, relay)?;
+    if relay.state.version_checked.is_some() && !relay.marks.loaded() {
+        keep_marks(db, relay)?;
+    }
+    let mut timings = RoundTimings::default();
+    let mut outcome = round::tick(db, &mut relay.sink, &settings, &mut relay.state, &mut relay.flight, &mut timings);
+    if matches!(outcome, TickOutcome::Idle) && relay.kept_alive_at.elapsed() >= poll {
+        relay.kept_alive_at = Instant::now();
+        if let Err(error) = relay.sink.keep_alive() {
+            outcome = TickOutcome::BrokerDown { error, published: 0 };
+        }
+    }
+    if matches!(outcome, TickOutcome::Worked { .. } | TickOutcome::Idle | TickOutcome::SteppedOver) {
+        keep_marks(db, relay)?;
+    }
+    losses::report_found(db, &mut relay.sink, relay.config.replay_on_loss).map_err(DbError::new)?;
+    match &outcome {
+        TickOutcome::Worked { in_flight: true, .. } => {}
+        TickOutcome::Worked { more: true, .. }
+        | TickOutcome::SteppedOver
+        | TickOutcome::BrokerDown { .. }
+        | TickOutcome::DatabaseError(_) => relay.full_read_at = Instant::now(),
+        _ if settings.full_read => relay.full_read_at = Instant::now() + poll,
+        _ => {}
+    }
+    let checking = matches!(outcome, TickOutcome::Idle) && relay.sink.check_between_rounds();
+    let (mut more, retry_in) = judge(relay, outcome, &settings)?;
+    if relay.replays_running && relay.flight.is_none() && relay.retry_at.is_none() {
+        more |= replay_turn(db, relay, &settings, more);
+    }
+    Ok(Outcome::Ran { more: more || checking, wake, retry_in })
+}
+
+/// What the round's outcome means: whether more waits, and a failure's backoff (logged once per
+/// change of state). A failure of the database is the caller's (it reconnects or retries).
+fn judge(
+    relay: &mut Relay,
+    outcome: TickOutcome,
+    settings: &TickSettings,
+) -> Result<(bool, Option<Duration>), DbError> {
+    match outcome {
+        TickOutcome::Worked { claimed, published, rejected, dead_lettered, last_rejection, more, in_flight, .. } => {
+            if claimed > 0 || !in_flight {
+                relay.backoff.reset();
+                relay.health.log(Level::Log, "publishing");
+            }
+            if rejected > 0 {
+                log::warning(&format!(
+                    "Redis refused {rejected} events of a round ({published} published); they wait on the failure path, \
+                     {dead_lettered} reached outbox.max_attempts ({}) and are failed: {}",
+                    settings.max_attempts,
+                    last_rejection.unwrap_or_default()
+                ));
+            }
+            Ok((more || in_flight, None))
+        }
+        TickOutcome::SteppedOver => Ok((true, None)),
+        TickOutcome::Idle => {
+            relay.backoff.reset();
+            Ok((false, None))
+        }
+        TickOutcome::BrokerDown { error, published } => {
+            let delay = relay.backoff.next_delay();
+            relay.retry_at = Some(Instant::now() + delay);
+            relay.health.log(
+                Level::Warning,
+                &format!("Redis failed ({error}) after {published} events of the round; nothing of it is lost, retrying"),
+            );
+            Ok((false, Some(delay)))
+        }
+        TickOutcome::DatabaseError(error) => Err(DbError::new(error)),
+        TickOutcome::ExtensionMissing => Err(DbError::new("the schema outbox went away during the round")),
+        TickOutcome::ExtensionOutdated { installed } => {
+            Err(DbError::new(format!("the schema outbox is at version {installed} now, not {}", readiness::RELAY_VERSION)))
+        }
+        TickOutcome::CopiedInstallation { original } => Err(DbError::new(format!(
+            "this database's outbox schema is a copy (CREATE DATABASE ... TEMPLATE) of the installation of database oid \
+             {original}, with its events and counters: nothing is published until an admin runs SELECT outbox.adopt_copy()"
+        ))),
+    }
+}
+
+/// The settings of the round about to run.
+fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings, DbError> {
+    let config = &relay.config;
+    let share = match relay.share {
+        Some((share, at)) if at.elapsed() < config.poll_interval => share,
+        _ => {
+            let counted = db.transaction(|db| first::<i64>(&db.select(RELAYS, &[APPLICATION_NAME.into()])?))?;
+            let relays = counted.unwrap_or(1).max(1);
+            let share = SHARDS.div_ceil(relays as u64) as usize;
+            relay.share = Some((share, Instant::now()));
+            share
+        }
+    };
+    Ok(TickSettings {
+        slot: 0,
+        pid: db.backend_pid(),
+        share,
+        lease: config.lease,
+        batch_size: config.batch_size,
+        entries: relay.entries.clone(),
+        in_order: config.ordered,
+        full_read: Instant::now() >= relay.full_read_at,
+        max_attempts: config.max_attempts,
+        retry_delay_ms: config.retry_delay.as_millis().min(i32::MAX as u128) as i32,
+        redis_timeout: config.redis_timeout,
+        replay_on_loss: config.replay_on_loss,
+    })
+}
+
+/// The reaper, the age of the oldest pending event (the alert), recorded snapshots, retention.
+fn housekeep(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
+    let lease_ms = relay.config.lease.as_millis().min(i32::MAX as u128) as i32;
+    let found = match housekeeping::housekeeping(db, &mut relay.state, lease_ms)? {
+        HousekeepingOutcome::Done(found) => found,
+        _ => return Ok(()),
+    };
+    if found.reaped > 0 {
+        log::info(&format!(
+            "freed {} shards of a relay that exited or whose lease expired; the relays take them over and publish what it had not finished",
+            found.reaped
+        ));
+    }
+    match (found.oldest_pending_age, relay.config.alert_age) {
+        (Some(age), Some(alert)) if age >= alert => {
+            relay.alert.log(
+                Level::Warning,
+                &format!(
+                    "the oldest pending event is {}s old, above outbox.alert_age ({}s)",
+                    age.as_secs(),
+                    alert.as_secs()
+                ),
+            );
+        }
+        _ => relay.alert.clear(),
+    }
+    relay.replays_running = found.replays_running;
+    let retention_s = relay.config.retention.map(|r| r.as_secs().min(i32::MAX as u64) as i32);
+    housekeeping::retention(db, retention_s)?;
+    Ok(())
+}
+
+/// The stream marks: those earlier relays stored, loaded before the first write; this relay's own,
+/// stored when they moved (src/relay/losses.rs in outbox-round).
+fn keep_marks(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
+    let retention_s = relay.config.retention.map(|r| r.as_secs().min(i32::MAX as u64) as i32);
+    relay.marks.keep(db, &mut relay.sink, 0, retention_s).map_err(DbError::new)
+}
+
+/// A replay round after a live one (short while live traffic flows); whether it wants another.
+fn replay_turn(db: &mut PgDatabase, relay: &mut Relay, settings: &TickSettings, live: bool) -> bool {
+    let limits = if live { replay::Limits::LIVE } else { replay::Limits::IDLE };
+    match replay::replay_round(db, &mut relay.sink, settings, &mut relay.state, limits) {
+        ReplayOutcome::Nothing => {
+            relay.replays_running = false;
+            false
+        }
+        ReplayOutcome::Waiting => false,
+        ReplayOutcome::Ran { id, refused, done, .. } => {
+            if done {
+                log::info(&format!("replay {id} is done (outbox.replays)"));
+            }
+            if refused > 0 {
+                log::warning(&format!("Redis refused {refused} events of replay {id} (outbox.replays)"));
+            }
+            !done
+        }
+        ReplayOutcome::BrokerDown(error) => {
+            let delay = relay.backoff.next_delay();
+            relay.retry_at = Some(Instant::now() + delay);
+            relay.health.log(Level::Warning, &format!("Redis failed during a replay round ({error}); retrying"));
+            false
+        }
+        ReplayOutcome::DatabaseError(error) => {
+            relay.health.log(Level::Warning, &format!("a replay round failed: {error}; retrying"));
+            false
+        }
     }
 }

@@ -41,6 +41,12 @@ pub fn main() -> i32 {
     if let Some(password) = &config.redis_password {
         log::hide(&password.0);
     }
+    // The round's own lines (outbox-round) go through this process's log, which hides secrets.
+    outbox_round::hooks::install(outbox_round::hooks::Hooks {
+        log: log::info,
+        warning: log::warning,
+        ..outbox_round::hooks::Hooks::default()
+    });
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         if let Err(error) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
@@ -85,7 +91,10 @@ fn relay(config: Config, stop: &AtomicBool) {
             db.listening().join(", ")
         ));
         let relay = match &mut relay {
-            Some(relay) => relay,
+            Some(relay) => {
+                relay.reconnected();
+                relay
+            }
             None => match Relay::new(config.clone(), db.database()) {
                 Ok(made) => relay.insert(made),
                 Err(error) => {
@@ -154,7 +163,7 @@ fn step(
             state.log(Level::Warning, &line);
             wake::sleep(db, poll_interval, stop)
         }
-        Outcome::Ran { more, wake } => {
+        Outcome::Ran { more, wake, retry_in } => {
             if let Some(channel) = &wake {
                 db.listen(channel)?;
             }
@@ -173,6 +182,11 @@ fn step(
             );
             if more {
                 return Ok(Woken::MoreWork);
+            }
+            if let Some(retry_in) = retry_in {
+                // A failure's backoff: a commit's notification does not cut it short.
+                wake::pause(retry_in, stop);
+                return Ok(Woken::Timeout);
             }
             wake::idle(db, wake.is_some(), poll_interval, stop, |db| {
                 Ok(matches!(rounds::round(db, relay)?, Outcome::Ran { more: true, .. }))
