@@ -7,73 +7,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 
 use common::*;
 use outbox_testkit::Redis;
 
 const PASSWORD: &str = "s3cret-in-the-url";
-
-/// The relay, its standard error collected line by line.
-struct RelayProcess {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-}
-
-impl RelayProcess {
-    fn start(args: &[&str]) -> RelayProcess {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
-        for (name, _) in std::env::vars_os() {
-            if name.to_string_lossy().starts_with("OUTBOX_") {
-                command.env_remove(name);
-            }
-        }
-        let mut child =
-            command.args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("outbox-relay starts");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let stderr = child.stderr.take().expect("stderr is piped");
-        let sink = Arc::clone(&lines);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        RelayProcess { child, lines }
-    }
-
-    fn lines(&self) -> Vec<String> {
-        self.lines.lock().unwrap().clone()
-    }
-
-    /// Waits for a line containing `text`.
-    fn wait_for_line(&self, text: &str) -> String {
-        wait_for(DEADLINE, &format!("a line with {text:?}"), || {
-            self.lines().into_iter().find(|line| line.contains(text))
-        })
-    }
-
-    /// Sends SIGTERM and waits for the exit.
-    fn terminate(&mut self) -> ExitStatus {
-        // SAFETY: kill(2) on the child this test started, which has not been waited for.
-        let rc = unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        assert_eq!(rc, 0, "kill -TERM: {}", std::io::Error::last_os_error());
-        wait_for(DEADLINE, "outbox-relay to exit after SIGTERM", || self.child.try_wait().unwrap())
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        if std::thread::panicking() {
-            eprintln!("--- outbox-relay's stderr ---\n{}", self.lines().join("\n"));
-        }
-    }
-}
 
 /// The database URL with a password (trust authentication ignores it): it must never be shown.
 fn url_with_password(pg: &Cluster) -> String {

@@ -3,9 +3,10 @@
 //! no superuser (docs/sql-only.md, "No superuser needed"), and connections as any role.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
 
 // Each test binary names a few of them.
 #[allow(unused_imports)]
@@ -80,4 +81,69 @@ pub fn sql_only_server() -> Cluster {
     owned_database(&pg);
     install_sql_only(&pg);
     pg
+}
+
+/// The relay, its standard error collected line by line.
+pub struct RelayProcess {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl RelayProcess {
+    pub fn start(args: &[&str]) -> RelayProcess {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("OUTBOX_") {
+                command.env_remove(name);
+            }
+        }
+        let mut child =
+            command.args(args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("outbox-relay starts");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("stderr is piped");
+        let sink = Arc::clone(&lines);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        RelayProcess { child, lines }
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Waits for a line containing `text`.
+    pub fn wait_for_line(&self, text: &str) -> String {
+        wait_for(DEADLINE, &format!("a line with {text:?}"), || {
+            self.lines().into_iter().find(|line| line.contains(text))
+        })
+    }
+
+    /// Kills it with SIGKILL (a crash: nothing of the round in flight is finished).
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    pub fn terminate(&mut self) -> ExitStatus {
+        // SAFETY: kill(2) on the child this test started, which has not been waited for.
+        let rc = unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill -TERM: {}", std::io::Error::last_os_error());
+        wait_for(DEADLINE, "outbox-relay to exit after SIGTERM", || self.child.try_wait().unwrap())
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("--- outbox-relay's stderr ---\n{}", self.lines().join("\n"));
+        }
+    }
 }
