@@ -24,7 +24,16 @@ fn the_committed_upgrade_script_is_what_sql_py_makes_of_src_sql() {
 
 #[test]
 fn every_function_and_view_of_the_install_is_in_the_upgrade_once() {
-    let out = sql_py(&["upgrade", "0.2.0", "0.3.0"]);
+    // From the last release (sql/releases) into the version under development.
+    let releases = std::fs::read_to_string(format!("{ROOT}/sql/releases")).unwrap();
+    let current = env!("CARGO_PKG_VERSION");
+    let previous = releases
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.starts_with('#'))
+        .filter_map(|line| line.split_whitespace().next())
+        .rfind(|&version| version != current)
+        .expect("sql/releases lists a release before the version under development");
+    let out = sql_py(&["upgrade", previous, current]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let script = String::from_utf8(out.stdout).unwrap();
     let mut created = std::collections::HashMap::<String, usize>::new();
@@ -37,7 +46,15 @@ fn every_function_and_view_of_the_install_is_in_the_upgrade_once() {
             }
         }
     }
-    for name in ["OUTBOX.REPLAY", "OUTBOX.MESSAGES", "OUTBOX.STATS", "OUTBOX._CLAIM_SHARDS", "OUTBOX._ADVANCE"] {
+    for name in [
+        "OUTBOX.REPLAY",
+        "OUTBOX.MESSAGES",
+        "OUTBOX.STATS",
+        "OUTBOX._CLAIM_SHARDS",
+        "OUTBOX._ADVANCE",
+        "OUTBOX._READ_WINDOW",
+        "OUTBOX._LAST_SEQS",
+    ] {
         assert_eq!(created.get(name), Some(&1), "{name} in the generated upgrade: {created:?}");
     }
 }
