@@ -303,6 +303,129 @@ fn read_log(
     }))
 }
 
+/// A row of `tests.read_window`: an event, or (every event column None) the read's outcome.
+#[cfg(any(test, feature = "pg_test"))]
+type WindowRow = (
+    Option<i64>,
+    Option<i64>,
+    Option<i64>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<i64>,
+    Option<bool>,
+    Option<i64>,
+    Option<i64>,
+);
+
+/// `tests.read_window` (src/sql/test_helpers.sql, test build only): `read_shard` with every input
+/// of a round (the position, the allowance) and every output (the events with their `txn_max_id`
+/// and size, then whether the window is complete and the position), in the shape of
+/// `outbox._read_window` (src/sql/relay/read.sql), which tests/relay_sql.rs compares with it.
+#[cfg(any(test, feature = "pg_test"))]
+#[pg_extern(sql = false)]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn read_window(
+    the_shard: i16,
+    cursor: &str,
+    upto: &str,
+    window_max_id: Option<i64>,
+    window_last_id: Option<i64>,
+    max_events: i32,
+    max_bytes: i64,
+    taken: i32,
+) -> TableIterator<
+    'static,
+    (
+        name!(txid, Option<i64>),
+        name!(txn_max_id, Option<i64>),
+        name!(id, Option<i64>),
+        name!(event_id, Option<String>),
+        name!(aggregate_type, Option<String>),
+        name!(aggregate_id, Option<String>),
+        name!(event_type, Option<String>),
+        name!(payload, Option<String>),
+        name!(headers, Option<String>),
+        name!(stream, Option<String>),
+        name!(created_at, Option<String>),
+        name!(traceparent, Option<String>),
+        name!(tracestate, Option<String>),
+        name!(size, Option<i64>),
+        name!(complete, Option<bool>),
+        name!(position_max_id, Option<i64>),
+        name!(position_last_id, Option<i64>),
+    ),
+> {
+    let (Some(cursor), Some(upto)) = (Snapshot::parse(cursor), Snapshot::parse(upto)) else {
+        ereport!(
+            ERROR,
+            PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE,
+            format!("tests.read_window: {cursor:?} or {upto:?} is not a pg_snapshot"),
+            "Pass snapshots such as pg_current_snapshot()::text."
+        );
+    };
+    let from = window_max_id.zip(window_last_id);
+    let mut budget =
+        Budget { events: max_events.max(0) as usize, bytes: max_bytes.max(0) as usize, taken: taken.max(0) as usize };
+    let read = read_shard(the_shard, &cursor, &upto, from, &mut budget, &mut WindowPlans::default());
+    let mut rows: Vec<WindowRow> = read
+        .events
+        .into_iter()
+        .map(|LogEvent { txid, txn_max_id, event }| {
+            let size = event.approximate_size() as i64;
+            let (traceparent, tracestate) =
+                event.trace.map_or((None, None), |trace| (Some(trace.traceparent), trace.tracestate));
+            (
+                Some(txid as i64),
+                Some(txn_max_id),
+                Some(event.id),
+                Some(event.event_id),
+                Some(event.aggregate_type),
+                Some(event.aggregate_id),
+                Some(event.event_type),
+                Some(event.payload),
+                event.headers,
+                event.stream,
+                Some(event.created_at),
+                traceparent,
+                tracestate,
+                Some(size),
+                None,
+                None,
+                None,
+            )
+        })
+        .collect();
+    let position = read.position;
+    rows.push((
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        Some(read.complete),
+        position.map(|p| p.0),
+        position.map(|p| p.1),
+    ));
+    TableIterator::new(rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::Budget;

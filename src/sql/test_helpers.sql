@@ -4,7 +4,7 @@
 -- production install (cargo pgrx install or package, the Debian package) has none of them, so no
 -- upgrade script carries them. They live in schema tests, where pgrx puts the #[pg_test] functions
 -- and which only the test build has; tests/upgrade.rs leaves that schema out when it compares an
--- upgraded installation with a fresh one. Their C functions (read_log, counters, shard_of) are
+-- upgraded installation with a fresh one. Their C functions (read_log, read_window, counters, shard_of) are
 -- compiled into the test build only, too.
 
 CREATE SCHEMA IF NOT EXISTS tests;
@@ -72,6 +72,28 @@ COMMENT ON FUNCTION tests.read_shard(smallint, pg_snapshot, pg_snapshot, integer
     'Test build only: tests.read_log for pg_snapshot arguments, e.g. a shard''s cursor';
 
 -- -------------------------------------------------------------------------------------------------
+-- tests.read_window(the_shard, cursor, upto, window_max_id, window_last_id, max_events, max_bytes,
+--                   taken)
+--
+--     What the in-server relay's read (src/log/window.rs's read_shard) takes of one shard's window
+--     from a position with an allowance, in the shape of outbox._read_window (src/sql/relay/read.sql):
+--     the events in publish order, then a row with complete and the position.
+--
+-- Called by: tests/relay_sql.rs, which compares the two
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION tests.read_window(the_shard smallint, cursor text, upto text, window_max_id bigint,
+                                  window_last_id bigint, max_events integer, max_bytes bigint, taken integer)
+RETURNS TABLE (txid bigint, txn_max_id bigint, id bigint, event_id text, aggregate_type text,
+               aggregate_id text, event_type text, payload text, headers text, stream text,
+               created_at text, traceparent text, tracestate text, size bigint,
+               complete boolean, position_max_id bigint, position_last_id bigint)
+LANGUAGE c VOLATILE
+AS 'MODULE_PATHNAME', 'read_window_wrapper';
+
+COMMENT ON FUNCTION tests.read_window(smallint, text, text, bigint, bigint, integer, bigint, integer) IS
+    'Test build only: what the in-server relay''s read takes of one shard''s window, in the shape of outbox._read_window';
+
+-- -------------------------------------------------------------------------------------------------
 -- tests.cursor_below(upto, bound)
 --
 --     The cursor that consumes, of snapshot upto, only the transactions below bound, so that a test
@@ -136,6 +158,7 @@ COMMENT ON FUNCTION tests.shard_of(text, text) IS
 -- checking privileges.
 REVOKE ALL ON FUNCTION tests.read_log(smallint, text, text, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION tests.read_shard(smallint, pg_snapshot, pg_snapshot, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION tests.read_window(smallint, text, text, bigint, bigint, integer, bigint, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION tests.cursor_below(pg_snapshot, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION tests.counters(text[], text[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION tests.shard_of(text, text) FROM PUBLIC;
