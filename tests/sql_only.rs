@@ -277,6 +277,26 @@ fn enqueue_some(client: &mut postgres::Client) {
     tx.rollback().unwrap();
 }
 
+/// Every shard's window from its cursor to now as outbox._read_window reads it whole: each
+/// event's fields that do not depend on the server (ids, transactions and times do).
+fn window_reads(client: &mut postgres::Client) -> Vec<String> {
+    client
+        .query(
+            "SELECT concat_ws(' | ', r.aggregate_type, r.aggregate_id, r.event_type, r.payload, r.headers, r.stream,
+                              r.traceparent, r.tracestate, r.size, r.txn_max_id = r.id)
+               FROM outbox.shards s
+              CROSS JOIN LATERAL outbox._read_window(s.shard, s.cursor::text, pg_current_snapshot()::text, NULL, NULL,
+                                                     100, 16777216, 0) r
+              WHERE r.id IS NOT NULL
+              ORDER BY r.aggregate_type, r.aggregate_id",
+            &[],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect()
+}
+
 #[test]
 fn committed_events_and_health_read_as_in_the_extension() {
     let ext = extension_cluster();
@@ -297,6 +317,15 @@ fn committed_events_and_health_read_as_in_the_extension() {
         stats(&mut owner),
         "pending 4 publishing 0 failed 0 published_total 0 aged t last_published_at  redis_data_loss 0"
     );
+    // The round's reads in SQL that the relay outside the server runs here (src/sql/relay/read.sql;
+    // tests/relay_sql.rs holds them equal to the in-server relay's): the same events, sizes and
+    // trace contexts in both installs, for the database's owner.
+    let window = window_reads(&mut owner);
+    assert_eq!(window.len(), 4, "{window:#?}");
+    assert_eq!(window, window_reads(&mut with_library));
+    let seqs = "SELECT outbox._last_seqs(ARRAY['payment', 'refund'], ARRAY['42', 'r-1'])";
+    let none: Vec<Option<i64>> = owner.query_one(seqs, &[]).unwrap().get(0);
+    assert_eq!(none, [None, None]);
     // No relay inside the server: as the extension shows a database no relay serves.
     let relay: (Option<i32>, i32, bool) = {
         let row = owner.query_one("SELECT worker_pid, workers, redis_connected FROM outbox.stats", &[]).unwrap();
