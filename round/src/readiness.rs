@@ -22,7 +22,8 @@ pub enum Readiness {
     Ready(u32),
 }
 
-/// The version of the schema the round's statements are written for: the workspace's version.
+/// The version of the schema the round's statements are written for: this crate's version, kept
+/// equal to the extension's (the root package's; a unit test compares them).
 pub const LIBRARY_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// Checks that outbox_pg is installed, at the version of this library. After a new library is
@@ -79,4 +80,18 @@ fn copied_from(db: &mut dyn Statements) -> Result<Option<u32>, DbError> {
         "outbox_pg: this database's outbox_pg was copied from database oid {recorded} and holds no event and no counter; relaying it as its own"
     ));
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_round_expects_the_extensions_version() {
+        let root = include_str!("../../Cargo.toml");
+        let version = root
+            .lines()
+            .find_map(|line| line.strip_prefix("version = \""))
+            .and_then(|rest| rest.strip_suffix('"'))
+            .expect("the root Cargo.toml has a version");
+        assert_eq!(super::LIBRARY_VERSION, version, "round/Cargo.toml's version must follow the root package's");
+    }
 }
