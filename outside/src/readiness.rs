@@ -105,11 +105,13 @@ pub fn check_in(db: &mut dyn Statements) -> Result<Readiness, DbError> {
     if !first::<bool>(&db.select("SELECT pg_catalog.has_schema_privilege('outbox', 'USAGE')", &[])?)?.unwrap_or(false) {
         return Ok(Readiness::MissingPrivilege(vec!["USAGE on schema outbox".into()]));
     }
+    // A schema that records no version was made by the SQL-only install of 0.3 (before
+    // outbox._version()): not this relay's.
     let version = installed_version(db)?;
-    if let Some(found) = &version {
-        if found != RELAY_VERSION {
-            return Ok(Readiness::OtherVersion(found.clone()));
-        }
+    match &version {
+        Some(found) if found == RELAY_VERSION => {}
+        Some(found) => return Ok(Readiness::OtherVersion(found.clone())),
+        None => return Ok(Readiness::OtherVersion("0.3.x (it records none)".into())),
     }
     let missing = missing_privileges(db)?;
     if !missing.is_empty() {
@@ -126,8 +128,8 @@ pub fn check_in(db: &mut dyn Statements) -> Result<Readiness, DbError> {
 }
 
 /// The installed schema's version: the extension's (`CREATE EXTENSION`, pg_tle's too), else what
-/// `outbox._version()` says where the SQL-only install defines it; None when neither records one
-/// (the SQL-only install of 0.3.x records none, and is taken as it is).
+/// `outbox._version()` says (the SQL-only install); None when neither records one (the SQL-only
+/// install of 0.3.x records none).
 pub fn installed_version(db: &mut dyn Statements) -> Result<Option<String>, DbError> {
     let rows = db.select("SELECT extversion::text FROM pg_catalog.pg_extension WHERE extname = 'outbox_pg'", &[])?;
     if let Some(row) = rows.first() {

@@ -29,15 +29,19 @@ fn a_database_without_the_schema_is_named_with_how_to_install_it() {
 fn the_sql_only_install_by_its_owner_is_ready_with_the_wake_up() {
     let pg = sql_only_server();
     let mut db = connect(&pg, OWNER, DATABASE);
-    // The SQL-only install of 0.3 records no version: taken as it is.
-    assert_eq!(check(&mut db).unwrap(), Readiness::Ready { wake: Some("outbox_pg".into()), version: None });
+    assert_eq!(
+        check(&mut db).unwrap(),
+        Readiness::Ready { wake: Some("outbox_pg".into()), version: Some(RELAY_VERSION.into()) }
+    );
 }
 
 #[test]
 fn a_schema_at_another_version_is_named_with_both_versions() {
     let pg = sql_only_server();
     let mut owner = connect_as(&pg, DATABASE, OWNER);
-    owner.batch_execute("CREATE FUNCTION outbox._version() RETURNS text LANGUAGE sql AS $$ SELECT '0.2.0' $$").unwrap();
+    owner
+        .batch_execute("CREATE OR REPLACE FUNCTION outbox._version() RETURNS text LANGUAGE sql AS $$ SELECT '0.2.0' $$")
+        .unwrap();
     let mut db = connect(&pg, OWNER, DATABASE);
     let readiness = check(&mut db).unwrap();
     assert_eq!(readiness, Readiness::OtherVersion("0.2.0".into()));

@@ -87,6 +87,9 @@ pub fn sql_only_server() -> Cluster {
 pub struct RelayProcess {
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    /// The thread reading standard error; joined once the process exited, so that its last lines
+    /// are in `lines`.
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl RelayProcess {
@@ -102,12 +105,12 @@ impl RelayProcess {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let stderr = child.stderr.take().expect("stderr is piped");
         let sink = Arc::clone(&lines);
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 sink.lock().unwrap().push(line);
             }
         });
-        RelayProcess { child, lines }
+        RelayProcess { child, lines, reader: Some(reader) }
     }
 
     pub fn lines(&self) -> Vec<String> {
@@ -132,7 +135,12 @@ impl RelayProcess {
         // SAFETY: kill(2) on the child this test started, which has not been waited for.
         let rc = unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         assert_eq!(rc, 0, "kill -TERM: {}", std::io::Error::last_os_error());
-        wait_for(DEADLINE, "outbox-relay to exit after SIGTERM", || self.child.try_wait().unwrap())
+        let status = wait_for(DEADLINE, "outbox-relay to exit after SIGTERM", || self.child.try_wait().unwrap());
+        // Its standard error is closed: the reader ends once it has read the last line.
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        status
     }
 }
 
