@@ -11,9 +11,20 @@
 -- tests/upgrade.rs checks that the whole script makes a schema equal to a fresh 0.4.0 install.
 \echo Use "ALTER EXTENSION outbox_pg UPDATE" to load this file. \quit
 
--- Nothing but functions so far: the round's reads in SQL for the relay outside the server
--- (src/sql/relay/read.sql) and the trace context's rules they use (src/sql/trace.sql), all made
--- below by CREATE OR REPLACE.
+-- The relays running outside the server (src/sql/schema.sql); the round's reads in SQL for them
+-- (src/sql/relay/read.sql), the trace context's rules they use (src/sql/trace.sql) and
+-- outbox._join_relays (src/sql/relay/outside.sql) are made below by CREATE OR REPLACE.
+CREATE UNLOGGED TABLE outbox.outside_relays (
+    backend_pid     integer     PRIMARY KEY,
+    host            text        NOT NULL,
+    version         text        NOT NULL,
+    stream_template text        NOT NULL,
+    entry_format    text        NOT NULL,
+    joined_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+COMMENT ON TABLE outbox.outside_relays IS
+    'outbox_pg: the outbox-relay processes relaying this database, one row per connection (rows of ended connections are ignored)';
+GRANT SELECT ON outbox.outside_relays TO outbox_admin;
 
 -- -------------------------------------------------------------------------------------------------
 -- Replaced in place: every function, view, trigger, comment and grant of src/sql/.
@@ -625,6 +636,50 @@ COMMENT ON FUNCTION outbox._last_seqs(text[], text[]) IS
     'Relay internal: the last aggregate_seq of each of these aggregates (NULL without a counter), one primary-key probe each';
 
 REVOKE ALL ON FUNCTION outbox._last_seqs(text[], text[]) FROM PUBLIC;
+
+-- src/sql/relay/outside.sql
+CREATE OR REPLACE FUNCTION outbox._join_relays(relay_pid integer, host text, version text, stream_template text,
+                                    entry_format text)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+DECLARE
+    other record;
+    in_server_template text := pg_catalog.current_setting('outbox.stream', true);
+    in_server_format text := coalesce(pg_catalog.current_setting('outbox.entry_format', true), 'native');
+BEGIN
+    LOCK TABLE outbox.outside_relays IN SHARE ROW EXCLUSIVE MODE;
+    DELETE FROM outbox.outside_relays r
+     WHERE r.backend_pid = relay_pid
+        OR NOT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_get_activity(r.backend_pid));
+    SELECT r.* INTO other FROM outbox.outside_relays r
+     WHERE r.stream_template IS DISTINCT FROM $4 OR r.entry_format IS DISTINCT FROM $5
+     ORDER BY r.joined_at LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION 'outbox-relay: this relay writes to streams "%" as % entries, but the outbox-relay of backend % on %, relaying this database since %, writes to "%" as % entries',
+                        $4, $5, other.backend_pid, other.host, other.joined_at, other.stream_template, other.entry_format
+              USING ERRCODE = 'object_not_in_prerequisite_state',
+                    HINT = 'Give every relay of a database the same stream template (outbox.stream, --stream) and entry format, or stop the other relay first.';
+    END IF;
+    IF in_server_template IS NOT NULL
+       AND (in_server_template IS DISTINCT FROM $4 OR in_server_format IS DISTINCT FROM $5)
+       AND EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity a
+                    WHERE a.datname = pg_catalog.current_database() AND a.backend_type = 'outbox_pg relay') THEN
+        RAISE EXCEPTION 'outbox-relay: this relay writes to streams "%" as % entries, but this server''s outbox_pg relays write to "%" as % entries',
+                        $4, $5, in_server_template, in_server_format
+              USING ERRCODE = 'object_not_in_prerequisite_state',
+                    HINT = 'Give outbox-relay the server''s outbox.stream and outbox.entry_format, or stop the server''s relays first (outbox.enabled = off).';
+    END IF;
+    INSERT INTO outbox.outside_relays (backend_pid, host, version, stream_template, entry_format)
+    VALUES (relay_pid, $2, $3, $4, $5);
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._join_relays(integer, text, text, text, text) IS
+    'Relay internal: records an outbox-relay connection, refusing one whose stream template or entry format differs from a running relay''s';
+
+REVOKE ALL ON FUNCTION outbox._join_relays(integer, text, text, text, text) FROM PUBLIC;
 
 -- src/sql/relay/failure_path.sql
 CREATE OR REPLACE FUNCTION outbox._held_aggregates(aggregate_types text[], aggregate_ids text[], shards smallint[])

@@ -54,6 +54,7 @@ extension_sql_file!("sql/enqueue.sql", name = "enqueue", requires = ["schema"]);
 extension_sql_file!("sql/trace.sql", name = "trace", requires = ["schema"]);
 extension_sql_file!("sql/relay/claim.sql", name = "relay_claim", requires = ["schema"]);
 extension_sql_file!("sql/relay/read.sql", name = "relay_read", requires = ["schema"]);
+extension_sql_file!("sql/relay/outside.sql", name = "relay_outside", requires = ["schema"]);
 extension_sql_file!("sql/relay/failure_path.sql", name = "relay_failure_path", requires = ["schema"]);
 extension_sql_file!("sql/relay/finish.sql", name = "relay_finish", requires = ["schema"]);
 extension_sql_file!("sql/relay/housekeeping.sql", name = "relay_housekeeping", requires = ["schema"]);

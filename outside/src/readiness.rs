@@ -41,6 +41,9 @@ pub const ROUND_FUNCTIONS: &[&str] = &[
     "_replays_running",
     "_repairs_running",
     "_database_created_by",
+    "_read_window",
+    "_last_seqs",
+    "_join_relays",
 ];
 
 /// What the check found.
@@ -60,6 +63,9 @@ pub enum Readiness {
     /// What the role lacks: `USAGE on schema outbox`, or functions it may not execute (or that
     /// are missing).
     MissingPrivilege(Vec<String>),
+    /// Another relay of the database writes entries differently (`outbox._join_relays`): its
+    /// message, naming both.
+    Conflict(String),
 }
 
 impl Readiness {
@@ -80,6 +86,7 @@ impl Readiness {
             Readiness::OtherVersion(found) => format!(
                 "database \"{database}\": the schema outbox is at version {found}, this relay is {RELAY_VERSION}; upgrade the schema (ALTER EXTENSION outbox_pg UPDATE, or the SQL-only upgrade) or run outbox-relay {found}, waiting"
             ),
+            Readiness::Conflict(message) => format!("database \"{database}\": {message}; waiting"),
             Readiness::MissingPrivilege(missing) => format!(
                 "database \"{database}\": role \"{role}\" lacks {}; connect as the role that installed outbox_pg, or GRANT them, waiting",
                 missing.join(", ")
@@ -199,4 +206,33 @@ mod tests {
             assert!(!line.contains('\n'));
         }
     }
+}
+
+/// Joins the database's relays (`outbox._join_relays`) as backend `pid`, writing to `template` in
+/// `format`: None when joined, else the conflict (SQLSTATE 55000) that makes this relay wait.
+pub fn join(db: &mut impl Database, pid: i32, template: &str, format: &str) -> Result<Option<Readiness>, DbError> {
+    let host = host_name();
+    let joined = db.transaction(|db| {
+        db.execute(
+            "SELECT outbox._join_relays($1, $2, $3, $4, $5)",
+            &[pid.into(), host.as_str().into(), RELAY_VERSION.into(), template.into(), format.into()],
+        )
+    });
+    match joined {
+        Ok(_) => Ok(None),
+        Err(error) if error.sqlstate.as_deref() == Some("55000") => Ok(Some(Readiness::Conflict(error.message))),
+        Err(error) => Err(error),
+    }
+}
+
+/// This machine's name, for outbox.outside_relays.
+fn host_name() -> String {
+    let mut buffer = [0u8; 256];
+    // SAFETY: gethostname(2) writes at most the buffer's length into it.
+    let rc = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
+    String::from_utf8_lossy(&buffer[..end]).into_owned()
 }

@@ -60,6 +60,8 @@ pub struct Relay {
     /// This relay's share of the shards, and when it was counted.
     share: Option<(usize, Instant)>,
     replays_running: bool,
+    /// The backend this relay joined the database's relays as (`readiness::join`).
+    joined: Option<i32>,
     kept_alive_at: Instant,
     /// The state last logged (failures, the age alert), each once per change.
     health: OncePerChange,
@@ -89,6 +91,7 @@ impl Relay {
             housekeeping_at: Instant::now(),
             share: None,
             replays_running: false,
+            joined: None,
             kept_alive_at: Instant::now(),
             health: OncePerChange::default(),
             alert: OncePerChange::default(),
@@ -126,6 +129,13 @@ pub fn round(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError>
             return Ok(Outcome::NotReady(other));
         }
     };
+    if relay.joined != Some(db.backend_pid()) {
+        let format = if relay.config.cloudevents { "cloudevents" } else { "native" };
+        if let Some(conflict) = readiness::join(db, db.backend_pid(), &relay.config.stream_template, format)? {
+            return Ok(Outcome::NotReady(conflict));
+        }
+        relay.joined = Some(db.backend_pid());
+    }
     if let Some(retry_at) = relay.retry_at {
         let left = retry_at.saturating_duration_since(Instant::now());
         if !left.is_zero() {

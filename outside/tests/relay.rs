@@ -139,3 +139,35 @@ fn two_relays_share_the_shards_and_publish_everything_once_in_order() {
     assert!(first.terminate().success());
     assert!(second.terminate().success());
 }
+
+#[test]
+fn relays_writing_to_different_streams_refuse_to_run_together() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    let mut first = start_relay(&pg, &redis);
+    let url = url(&pg, OWNER, DATABASE);
+    let mut second = RelayProcess::start(&[
+        "--database-url",
+        &url,
+        "--redis-url",
+        &redis.url(),
+        "--stream",
+        "elsewhere:{aggregate_type}",
+    ]);
+    let line = second.wait_for_line("writes to streams");
+    assert!(line.contains("\"elsewhere:{aggregate_type}\"") && line.contains("\"outbox:{aggregate_type}\""), "{line}");
+    let total = enqueue(&pg, 5, 20, 4);
+    wait_for_distinct(&redis, total);
+    assert_in_order(&redis, total);
+    assert_eq!(redis.stream_keys(), vec!["outbox:order".to_string()], "the refused relay published nothing");
+    assert!(!second.lines().iter().any(|line| line.contains("ready: relaying")), "{:?}", second.lines());
+    // Once the first one is gone, the second one joins (the first's row is of an ended connection).
+    assert!(first.terminate().success());
+    second.wait_for_line("ready: relaying database");
+    let more = enqueue(&pg, 1, 10, 1);
+    wait_for(DEADLINE, "the second relay to publish to its streams", || {
+        (redis.stream_keys().iter().any(|key| key == "elsewhere:order") && redis.xlen("elsewhere:order") == more)
+            .then_some(())
+    });
+    assert!(second.terminate().success());
+}

@@ -338,6 +338,21 @@ SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_databa
 COMMENT ON TABLE outbox.installation IS
     'outbox_pg: the database this outbox belongs to; a copy made by CREATE DATABASE ... TEMPLATE is not relayed until outbox.adopt_copy()';
 
+-- The relays running outside the server (outbox-relay), one row per connection, so that relays
+-- configured differently refuse to run together (outbox._join_relays) and outbox.outside_relays
+-- shows who relays. Unlogged: it describes connections, which a crash ends anyway; a row whose
+-- backend is gone is ignored and removed by the next relay that joins.
+CREATE UNLOGGED TABLE outbox.outside_relays (
+    backend_pid     integer     PRIMARY KEY,
+    host            text        NOT NULL,
+    version         text        NOT NULL,
+    stream_template text        NOT NULL,
+    entry_format    text        NOT NULL,
+    joined_at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+COMMENT ON TABLE outbox.outside_relays IS
+    'outbox_pg: the outbox-relay processes relaying this database, one row per connection (rows of ended connections are ignored)';
+
 -- pg_dump keeps the log (undelivered events among it), cursors, counters, the failure path and the
 -- dedup marks. The txid values and cursors belong to the dumped cluster: a restore rebases them onto
 -- the new cluster's counter (restore.sql). Ticks are not kept: the rebase leaves one per shard.
@@ -358,7 +373,8 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.consumers', '');
 -- never by writing rows.
 GRANT USAGE ON SCHEMA outbox TO outbox_admin;
 GRANT SELECT ON outbox.events_0, outbox.events_1, outbox.events_2, outbox.generations, outbox.shards,
-                outbox.ticks, outbox.snapshots, outbox.held, outbox.aggregates, outbox.installation TO outbox_admin;
+                outbox.ticks, outbox.snapshots, outbox.held, outbox.aggregates, outbox.installation,
+                outbox.outside_relays TO outbox_admin;
 GRANT SELECT ON outbox.events TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.processed_messages TO outbox_admin;
 GRANT SELECT, DELETE ON outbox.consumers TO outbox_admin;
