@@ -173,6 +173,35 @@ pub fn missing_privileges(db: &mut dyn Statements) -> Result<Vec<String>, DbErro
     rows.iter().map(|row| row.get::<String>(0).map(Option::unwrap_or_default)).collect()
 }
 
+/// Joins the database's relays (`outbox._join_relays`) as backend `pid`, writing to `template` in
+/// `format`: None when joined, else the conflict (SQLSTATE 55000) that makes this relay wait.
+pub fn join(db: &mut impl Database, pid: i32, template: &str, format: &str) -> Result<Option<Readiness>, DbError> {
+    let host = host_name();
+    let joined = db.transaction(|db| {
+        db.execute(
+            "SELECT outbox._join_relays($1, $2, $3, $4, $5)",
+            &[pid.into(), host.as_str().into(), RELAY_VERSION.into(), template.into(), format.into()],
+        )
+    });
+    match joined {
+        Ok(_) => Ok(None),
+        Err(error) if error.sqlstate.as_deref() == Some("55000") => Ok(Some(Readiness::Conflict(error.message))),
+        Err(error) => Err(error),
+    }
+}
+
+/// This machine's name, for outbox.outside_relays.
+fn host_name() -> String {
+    let mut buffer = [0u8; 256];
+    // SAFETY: gethostname(2) writes at most the buffer's length into it.
+    let rc = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
+    String::from_utf8_lossy(&buffer[..end]).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,33 +235,4 @@ mod tests {
             assert!(!line.contains('\n'));
         }
     }
-}
-
-/// Joins the database's relays (`outbox._join_relays`) as backend `pid`, writing to `template` in
-/// `format`: None when joined, else the conflict (SQLSTATE 55000) that makes this relay wait.
-pub fn join(db: &mut impl Database, pid: i32, template: &str, format: &str) -> Result<Option<Readiness>, DbError> {
-    let host = host_name();
-    let joined = db.transaction(|db| {
-        db.execute(
-            "SELECT outbox._join_relays($1, $2, $3, $4, $5)",
-            &[pid.into(), host.as_str().into(), RELAY_VERSION.into(), template.into(), format.into()],
-        )
-    });
-    match joined {
-        Ok(_) => Ok(None),
-        Err(error) if error.sqlstate.as_deref() == Some("55000") => Ok(Some(Readiness::Conflict(error.message))),
-        Err(error) => Err(error),
-    }
-}
-
-/// This machine's name, for outbox.outside_relays.
-fn host_name() -> String {
-    let mut buffer = [0u8; 256];
-    // SAFETY: gethostname(2) writes at most the buffer's length into it.
-    let rc = unsafe { libc::gethostname(buffer.as_mut_ptr().cast(), buffer.len()) };
-    if rc != 0 {
-        return "unknown".into();
-    }
-    let end = buffer.iter().position(|&b| b == 0).unwrap_or(buffer.len());
-    String::from_utf8_lossy(&buffer[..end]).into_owned()
 }
