@@ -154,6 +154,18 @@ pub fn round(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError>
     }
     let mut timings = RoundTimings::default();
     let mut outcome = round::tick(db, &mut relay.sink, &settings, &mut relay.state, &mut relay.flight, &mut timings);
+    if let Some(line) = relay.config.log_min_duration.and_then(|threshold| timings.slow_round_line(&outcome, threshold))
+    {
+        log::info(&line);
+    }
+    if timings.total() >= settings.lease && !matches!(outcome, TickOutcome::Idle) {
+        log::warning(&format!(
+            "one round took {} ms, longer than outbox.lease ({} ms): its shards' lease expired meanwhile and other relays \
+             may have published the same events again; raise --lease",
+            timings.total().as_millis(),
+            settings.lease.as_millis()
+        ));
+    }
     if matches!(outcome, TickOutcome::Idle) && relay.kept_alive_at.elapsed() >= poll {
         relay.kept_alive_at = Instant::now();
         if let Err(error) = relay.sink.keep_alive() {

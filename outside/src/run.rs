@@ -120,7 +120,11 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
     let mut woken = Woken::Timeout;
     while !stop.load(Ordering::Relaxed) {
         if woken == Woken::Notified {
-            if let Some(gap) = last_round.and_then(|at| wake::MIN_WAKE_GAP.checked_sub(at.elapsed())) {
+            // The linger (outbox.linger): under steady commits, a round waits a little to gather
+            // the commits that follow, as the worker's does; never less than the floor a flood of
+            // notifications is held to.
+            let gap = relay.config.linger.max(wake::MIN_WAKE_GAP);
+            if let Some(gap) = last_round.and_then(|at| gap.checked_sub(at.elapsed())) {
                 wake::pause(gap, stop);
             }
         } else if woken == Woken::WriterInFlight {

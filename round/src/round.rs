@@ -74,6 +74,33 @@ impl RoundTimings {
     pub fn total(&self) -> Duration {
         self.claim + self.publish + self.settle
     }
+
+    /// The line a relay logs for a round that took `threshold` or more (`outbox.log_min_duration`);
+    /// None for a faster one, or one that failed (its failure is logged instead).
+    pub fn slow_round_line(&self, outcome: &TickOutcome, threshold: Duration) -> Option<String> {
+        if self.total() < threshold {
+            return None;
+        }
+        let events = match outcome {
+            TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
+            TickOutcome::Idle => "nothing pending".to_string(),
+            TickOutcome::SteppedOver => "a lagging shard stepped over an empty window".to_string(),
+            TickOutcome::BrokerDown { .. }
+            | TickOutcome::ExtensionMissing
+            | TickOutcome::ExtensionOutdated { .. }
+            | TickOutcome::CopiedInstallation { .. }
+            | TickOutcome::DatabaseError(_) => return None,
+        };
+        let ms = |duration: Duration| format!("{:.1} ms", duration.as_secs_f64() * 1000.0);
+        Some(format!(
+            "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",
+            ms(self.total()),
+            ms(self.claim),
+            ms(self.publish),
+            ms(self.settle),
+            ms(threshold)
+        ))
+    }
 }
 
 /// Clears what the relay has in flight when the round ends, whichever way.

@@ -169,30 +169,9 @@ pub fn human(duration: Duration) -> String {
 /// of each phase, so that a stall can be placed (the database, Redis, or settling). Failed rounds
 /// are left out: an outage is reported once by its WARNING, not once per retry.
 pub fn log_if_slow_round(outcome: &TickOutcome, timings: &RoundTimings) {
-    let Some(threshold) = guc::log_min_duration() else {
-        return;
-    };
-    if timings.total() < threshold {
-        return;
+    if let Some(line) = guc::log_min_duration().and_then(|threshold| timings.slow_round_line(outcome, threshold)) {
+        log!("{line}");
     }
-    let events = match outcome {
-        TickOutcome::Worked { claimed, published, .. } => format!("{claimed} claimed, {published} published"),
-        TickOutcome::Idle => "nothing pending".to_string(),
-        TickOutcome::SteppedOver => "a lagging shard stepped over an empty window".to_string(),
-        TickOutcome::BrokerDown { .. }
-        | TickOutcome::ExtensionMissing
-        | TickOutcome::ExtensionOutdated { .. }
-        | TickOutcome::CopiedInstallation { .. }
-        | TickOutcome::DatabaseError(_) => return,
-    };
-    log!(
-        "outbox_pg: slow round: {} ({events}): claim {}, publish to Redis {}, settle {}; above outbox.log_min_duration ({})",
-        millis(timings.total()),
-        millis(timings.claim),
-        millis(timings.publish),
-        millis(timings.settle),
-        millis(threshold)
-    );
 }
 
 pub fn millis(duration: Duration) -> String {
