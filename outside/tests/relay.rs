@@ -171,3 +171,72 @@ fn relays_writing_to_different_streams_refuse_to_run_together() {
     });
     assert!(second.terminate().success());
 }
+
+#[test]
+fn a_poison_event_is_dead_lettered_without_stalling_the_others() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    // A key that is not a stream: Redis refuses every XADD to it (WRONGTYPE).
+    redis.query::<()>(redis::cmd("SET").arg("poisoned").arg("not a stream"));
+    let url = url(&pg, OWNER, DATABASE);
+    let mut relay = RelayProcess::start(&[
+        "--database-url",
+        &url,
+        "--redis-url",
+        &redis.url(),
+        "--max-attempts",
+        "2",
+        "--retry-delay",
+        "10ms",
+    ]);
+    relay.wait_for_line("ready: relaying database");
+    let mut app = connect_as(&pg, DATABASE, OWNER);
+    app.execute("SELECT outbox_enqueue('refund', '7', 'refund.created', '{}'::jsonb, NULL, 'poisoned')", &[]).unwrap();
+    // Its aggregate's next event waits behind it; the other aggregates' do not.
+    app.execute("SELECT outbox_enqueue('refund', '7', 'refund.settled', '{}'::jsonb)", &[]).unwrap();
+    let total = enqueue(&pg, 5, 10, 3);
+    wait_for_distinct(&redis, total);
+    assert_in_order(&redis, total);
+    wait_for(DEADLINE, "the poison event to be dead-lettered", || {
+        let failed: i64 = app
+            .query_one("SELECT count(*) FROM outbox.messages WHERE status = 'failed' AND stream = 'poisoned'", &[])
+            .unwrap()
+            .get(0);
+        (failed == 1).then_some(())
+    });
+    assert_eq!(redis.xlen("outbox:refund"), 0, "refund 7's next event waits behind the failed one");
+    // An admin skips it: the one behind goes out.
+    app.execute("SELECT outbox.skip_failed(ARRAY(SELECT id FROM outbox.messages WHERE status = 'failed'))", &[])
+        .unwrap();
+    redis.wait_for_entries("outbox:refund", 1);
+    assert!(relay.terminate().success());
+}
+
+#[test]
+fn a_replay_sends_published_events_again() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    let mut relay = RelayProcess::start(&[
+        "--database-url",
+        &url(&pg, OWNER, DATABASE),
+        "--redis-url",
+        &redis.url(),
+        "--poll-interval",
+        "100ms",
+    ]);
+    relay.wait_for_line("ready: relaying database");
+    let total = enqueue(&pg, 2, 10, 2);
+    wait_for_distinct(&redis, total);
+    let mut app = connect_as(&pg, DATABASE, OWNER);
+    let replay: i64 = app
+        .query_one(
+            "SELECT outbox.replay(since => now() - interval '1 hour', to_stream => 'replayed', partial => true)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    let entries = redis.wait_for_entries("replayed", total);
+    assert_eq!(entries.len(), total);
+    relay.wait_for_line(&format!("replay {replay} is done"));
+    assert!(relay.terminate().success());
+}
