@@ -71,7 +71,7 @@ const SPECS: &[Spec] = &[
         name: "database_url",
         kind: Type::Str(None),
         default: "",
-        help: "The database to relay (postgresql://... or key=value); one per process. Required.",
+        help: "The database to relay (postgresql://... or key=value, sslmode as libpq's); one per process. Required.",
     },
     Spec {
         name: "redis_url",

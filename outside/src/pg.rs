@@ -18,7 +18,7 @@ use outbox_round::snapshot::Snapshot;
 use outbox_round::window::{Budget, Position, WindowRead};
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::{FromSql, IsNull, ToSql, Type};
-use postgres::{Client, NoTls, Statement};
+use postgres::{Client, Statement};
 
 /// The application_name the relay's connections carry (pg_stat_activity shows it).
 pub const APPLICATION_NAME: &str = "outbox-relay";
@@ -65,8 +65,12 @@ impl PgDatabase {
     /// Connects to `url` (a `postgresql://` URL or `key=value` string) with application_name
     /// `outbox-relay`, TCP keepalives and a connect timeout (each unless the URL sets it), and
     /// `LISTEN`s on the wake channel unless the server is a standby. `PGPASSWORD` is used when the URL has no password.
+    /// TLS as libpq's `sslmode` says (src/tls.rs): `prefer` unless the URL or `PGSSLMODE` says
+    /// otherwise.
     pub fn connect(url: &str, options: &ConnectOptions) -> Result<PgDatabase, DbError> {
+        let (url, tls) = crate::tls::split(url, |name| std::env::var(name).ok()).map_err(DbError::new)?;
         let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| DbError::new(e.to_string()))?;
+        config.ssl_mode(tls.postgres_mode());
         if config.get_application_name().is_none() {
             config.application_name(APPLICATION_NAME);
         }
@@ -86,7 +90,8 @@ impl PgDatabase {
         if let Some(password) = config.get_password() {
             crate::log::hide(&String::from_utf8_lossy(password));
         }
-        let mut client = config.connect(NoTls).map_err(db_error)?;
+        let connector = tls.connector().map_err(DbError::new)?;
+        let mut client = config.connect(connector).map_err(db_error)?;
         let who = client
             .query_one(
                 "SELECT pg_backend_pid(), current_user::text, current_database()::text, pg_is_in_recovery()",
