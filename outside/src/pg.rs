@@ -70,7 +70,10 @@ impl PgDatabase {
     pub fn connect(url: &str, options: &ConnectOptions) -> Result<PgDatabase, DbError> {
         let (url, tls) = crate::tls::split(url, |name| std::env::var(name).ok()).map_err(DbError::new)?;
         let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| DbError::new(e.to_string()))?;
-        config.ssl_mode(tls.postgres_mode());
+        // As libpq: sslmode is for TCP; over a Unix socket the server offers no TLS at all.
+        let tcp = config.get_hosts().iter().any(|host| matches!(host, postgres::config::Host::Tcp(_)))
+            || !config.get_hostaddrs().is_empty();
+        config.ssl_mode(if tcp { tls.postgres_mode() } else { postgres::config::SslMode::Disable });
         if config.get_application_name().is_none() {
             config.application_name(APPLICATION_NAME);
         }

@@ -16,7 +16,8 @@
 //! - `sslcert` and `sslkey` (PEM): a client certificate, for `clientcert=verify-full` servers.
 //!
 //! No channel binding is offered (`SCRAM-SHA-256`, not `-PLUS`, as libpq with
-//! `channel_binding=prefer` on a server that offers none). Unix sockets never use TLS.
+//! `channel_binding=prefer` on a server that offers none). A Unix socket ignores `sslmode`, as
+//! in libpq (src/pg.rs).
 
 use std::future::Future;
 use std::io;

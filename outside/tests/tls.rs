@@ -3,7 +3,8 @@
 //! connection of the test roles made without TLS (as `rds.force_ssl` does): `require` and the
 //! default `prefer` encrypt, `verify-full` with the CA succeeds and with another CA fails naming
 //! the certificate problem, `verify-ca` ignores the host name that `verify-full` checks,
-//! `disable` gets the server's refusal, and a client certificate logs in a `cert` role.
+//! `disable` gets the server's refusal, a Unix socket ignores sslmode, and a client certificate
+//! logs in a `cert` role.
 
 mod common;
 
@@ -117,6 +118,14 @@ fn sslmodes_against_a_server_that_requires_tls() {
         "{error}"
     );
     assert_eq!(error.sqlstate.as_deref(), Some("28000"));
+
+    // A Unix socket has no TLS: sslmode is ignored there, as by libpq.
+    let socket = format!(
+        "host={} port={port} user={ROLE} dbname=postgres sslmode=verify-full sslrootcert={other}",
+        pg.dir.display()
+    );
+    let mut db = connect(&socket).unwrap_or_else(|e| panic!("{socket}: {e}"));
+    assert_eq!(tls_version(&mut db), None);
 
     // A client certificate, for a role pg_hba.conf logs in only by certificate.
     let cert_role =
