@@ -8,9 +8,13 @@
 //!   conffiles; the unpacked binary runs and needs no OpenSSL, the unpacked unit verifies; the
 //!   tarball holds the binary, unit and example.
 //!
+//! - the postinst, with `useradd` and `getent` replaced by scripts that log their calls, makes the
+//!   user once over two runs.
+//!
 //! Not exercised: installing the .deb (`dpkg -i` would run the postinst's useradd on this
-//! machine; `dpkg --root` runs it chrooted into a root with no shell), and the unit under a
-//! running systemd (none here): the hardening is checked by `systemd-analyze`, not by a run.
+//! machine; `dpkg --root` runs it chrooted into a root with no shell), the postinst's systemctl
+//! calls, and the unit under a running systemd (none here): the hardening is checked by
+//! `systemd-analyze`, not by a run.
 
 mod common;
 
@@ -89,6 +93,33 @@ fn systemd_accepts_the_unit() {
     }
     let said = verify_unit(&unit, Path::new(env!("CARGO_BIN_EXE_outbox-relay")));
     assert!(said.trim().is_empty(), "systemd-analyze verify: {said}");
+}
+
+#[test]
+fn the_postinst_makes_the_user_once() {
+    // useradd and getent replaced by scripts that log their calls: the real ones would change
+    // this machine's /etc/passwd.
+    let dir = TempDir::new("relay-postinst");
+    let calls = dir.path().join("calls");
+    let known = dir.path().join("known");
+    let fake = |name: &str, body: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, format!("#!/bin/sh\necho \"{name} $*\" >>'{}'\n{body}\n", calls.display())).unwrap();
+        output(Command::new("chmod").arg("755").arg(&path), "chmod");
+    };
+    fake("useradd", &format!("touch '{}'", known.display()));
+    fake("getent", &format!("test -e '{}'", known.display()));
+    // On a machine that runs systemd, the postinst would reload it: not from a test.
+    fake("systemctl", "true");
+    let path = format!("{}:{}", dir.path().display(), std::env::var("PATH").unwrap_or_default());
+    for _ in 0..2 {
+        output(Command::new("sh").arg(packaging("debian/postinst")).arg("configure").env("PATH", &path), "postinst");
+    }
+    let log = std::fs::read_to_string(&calls).unwrap();
+    let useradds: Vec<&str> = log.lines().filter(|line| line.starts_with("useradd")).collect();
+    assert_eq!(useradds.len(), 1, "{log}");
+    assert!(useradds[0].contains("--system") && useradds[0].ends_with(" outbox-relay"), "{log}");
+    assert_eq!(log.lines().filter(|line| line == &"getent passwd outbox-relay").count(), 2, "{log}");
 }
 
 /// The paths of the regular files and symbolic links a .deb installs.
