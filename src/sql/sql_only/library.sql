@@ -16,7 +16,7 @@ CREATE FUNCTION outbox._version() RETURNS text
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $fn$ SELECT '@OUTBOX_VERSION@'::text $fn$;
 
-COMMENT ON FUNCTION outbox._version() IS 'outbox_pg: the version of this SQL-only install (outside relays check it)';
+COMMENT ON FUNCTION outbox._version() IS 'Internal (SQL-only install): the version of this install, which outside relays check';
 
 CREATE FUNCTION outbox.relay_pid() RETURNS integer
 LANGUAGE sql VOLATILE PARALLEL SAFE STRICT
