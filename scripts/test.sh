@@ -63,6 +63,12 @@ for name in ${OUTBOX_TESTS:-}; do
   esac
 done
 
+# tests/moving.rs runs outbox-relay (outside/) against a server with the library: built first, its
+# path given to the tests.
+cargo build -p outbox-relay
+OUTBOX_RELAY_BIN="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/debug/outbox-relay"
+export OUTBOX_RELAY_BIN
+
 # The lib test binary runs first: it installs the extension (test build) into PostgreSQL's
 # directories and runs the unit tests and #[pg_test]s. The integration tests then use that install.
 if [ -z "${OUTBOX_TESTS:-}" ] || [ ${#targets[@]} -gt 0 ]; then
