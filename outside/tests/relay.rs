@@ -6,84 +6,13 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
-
 use common::*;
-use outbox_protocol::entry as fields;
-use outbox_testkit::Redis;
-
-/// Enqueues `transactions` transactions of `per_transaction` events each, spread over
-/// `aggregates` orders, as the database's owner.
-fn enqueue(pg: &Cluster, transactions: usize, per_transaction: usize, aggregates: usize) -> usize {
-    let mut app = connect_as(pg, DATABASE, OWNER);
-    for t in 0..transactions {
-        let mut tx = app.transaction().unwrap();
-        tx.execute(
-            "SELECT outbox_enqueue('order', (($1::int8 + n) % $2::int8)::text, 'order.created', \
-                    jsonb_build_object('t', $1::int8, 'n', n)) FROM generate_series(1, $3::int8) AS n",
-            &[&(t as i64), &(aggregates as i64), &(per_transaction as i64)],
-        )
-        .unwrap();
-        tx.commit().unwrap();
-    }
-    transactions * per_transaction
-}
-
-/// The entries of stream `outbox:order`, grouped by aggregate, in stream order: (seq, event_id).
-fn by_aggregate(redis: &Redis) -> HashMap<String, Vec<(i64, String)>> {
-    let mut grouped: HashMap<String, Vec<(i64, String)>> = HashMap::new();
-    for entry in redis.entries("outbox:order") {
-        grouped
-            .entry(entry[fields::AGGREGATE_ID].clone())
-            .or_default()
-            .push((entry[fields::AGGREGATE_SEQ].parse().unwrap(), entry[fields::EVENT_ID].clone()));
-    }
-    grouped
-}
-
-/// Waits until Redis holds `count` distinct events.
-fn wait_for_distinct(redis: &Redis, count: usize) {
-    wait_for(DEADLINE, &format!("{count} distinct events in Redis"), || {
-        let distinct: HashSet<String> =
-            redis.entries("outbox:order").into_iter().map(|entry| entry[fields::EVENT_ID].clone()).collect();
-        (distinct.len() >= count).then_some(())
-    });
-}
-
-/// Each aggregate's entries, duplicates aside, are numbered 1, 2, 3, ... in stream order; a
-/// duplicate (at least once) only repeats an event already there.
-fn assert_in_order(redis: &Redis, total: usize) {
-    let mut events = 0;
-    for (aggregate, entries) in by_aggregate(redis) {
-        let mut next = 1;
-        let mut seen = HashMap::new();
-        for (seq, event_id) in entries {
-            match seen.get(&seq) {
-                Some(first) => assert_eq!(first, &event_id, "aggregate {aggregate}: seq {seq} names two events"),
-                None => {
-                    assert_eq!(seq, next, "aggregate {aggregate}: seq {seq} where {next} was due");
-                    seen.insert(seq, event_id);
-                    next += 1;
-                }
-            }
-        }
-        events += seen.len();
-    }
-    assert_eq!(events, total, "every event once, duplicates aside");
-}
-
-fn start_relay(pg: &Cluster, redis: &Redis) -> RelayProcess {
-    let url = url(pg, OWNER, DATABASE);
-    let relay = RelayProcess::start(&["--database-url", &url, "--redis-url", &redis.url()]);
-    relay.wait_for_line("ready: relaying database");
-    relay
-}
 
 #[test]
 fn every_committed_event_reaches_redis_in_order_and_no_rolled_back_one() {
     let pg = sql_only_server();
     let redis = Redis::start();
-    let mut relay = start_relay(&pg, &redis);
+    let mut relay = start_relay(&pg, &redis, &[]);
     let total = enqueue(&pg, 40, 25, 7);
     {
         let mut app = connect_as(&pg, DATABASE, OWNER);
@@ -95,11 +24,7 @@ fn every_committed_event_reaches_redis_in_order_and_no_rolled_back_one() {
     assert_in_order(&redis, total);
     assert!(!by_aggregate(&redis).contains_key("rolled-back"));
     // Finished too: nothing is left pending in the database.
-    let mut app = connect_as(&pg, DATABASE, OWNER);
-    wait_for(DEADLINE, "nothing pending", || {
-        let pending: i64 = app.query_one("SELECT pending FROM outbox.stats", &[]).unwrap().get(0);
-        (pending == 0).then_some(())
-    });
+    wait_for_nothing_pending(&pg);
     assert!(relay.terminate().success());
 }
 
@@ -108,10 +33,10 @@ fn a_relay_killed_mid_drain_and_started_again_loses_nothing() {
     let pg = sql_only_server();
     let redis = Redis::start();
     let total = enqueue(&pg, 4, 5_000, 50);
-    let mut relay = start_relay(&pg, &redis);
+    let mut relay = start_relay(&pg, &redis, &[]);
     wait_for(DEADLINE, "the drain to have begun", || (redis.xlen("outbox:order") > 0).then_some(()));
     relay.kill9();
-    let mut relay = start_relay(&pg, &redis);
+    let mut relay = start_relay(&pg, &redis, &[]);
     wait_for_distinct(&redis, total);
     assert_in_order(&redis, total);
     assert!(relay.terminate().success());
@@ -121,8 +46,8 @@ fn a_relay_killed_mid_drain_and_started_again_loses_nothing() {
 fn two_relays_share_the_shards_and_publish_everything_once_in_order() {
     let pg = sql_only_server();
     let redis = Redis::start();
-    let mut first = start_relay(&pg, &redis);
-    let mut second = start_relay(&pg, &redis);
+    let mut first = start_relay(&pg, &redis, &[]);
+    let mut second = start_relay(&pg, &redis, &[]);
     let total = enqueue(&pg, 30, 20, 16);
     wait_for_distinct(&redis, total);
     assert_in_order(&redis, total);
