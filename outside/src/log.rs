@@ -99,7 +99,8 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 }
 
 /// A line logged once per change: the same message again logs nothing, another one logs, and
-/// `clear` forgets (the next message logs whatever it is).
+/// `clear` forgets (the next message logs whatever it is). `log_state` keys the line by a state
+/// instead of its text: a state's first message is logged, the others of the same state are not.
 #[derive(Default)]
 pub struct OncePerChange {
     last: Option<String>,
@@ -108,11 +109,18 @@ pub struct OncePerChange {
 impl OncePerChange {
     /// Logs `message` unless it was the last one logged here; true when it logged.
     pub fn log(&mut self, level: Level, message: &str) -> bool {
-        if self.last.as_deref() == Some(message) {
+        self.log_state(level, message, message)
+    }
+
+    /// Logs `message` unless the last line logged here was of `state`; true when it logged. For
+    /// retries whose errors differ in their text while the state is the same (a Redis that is
+    /// down refuses, resets or times out connections by turns).
+    pub fn log_state(&mut self, level: Level, state: &str, message: &str) -> bool {
+        if self.last.as_deref() == Some(state) {
             return false;
         }
         log(level, message);
-        self.last = Some(message.to_string());
+        self.last = Some(state.to_string());
         true
     }
 
@@ -281,5 +289,9 @@ mod tests {
         assert!(once.log(Level::Log, "b"));
         once.clear();
         assert!(once.log(Level::Log, "b"));
+        assert!(once.log_state(Level::Warning, "down", "down: refused"));
+        assert!(!once.log_state(Level::Warning, "down", "down: reset"));
+        assert!(once.log(Level::Log, "up"));
+        assert!(once.log_state(Level::Warning, "down", "down: refused"));
     }
 }

@@ -37,6 +37,9 @@ const RELAYS: &str = "SELECT count(*)::int8 FROM pg_catalog.pg_stat_activity \
 /// Retries after a failure of Redis or of the database: 100 ms doubling to 10 s (as the worker's).
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(10);
+/// The state a failure of Redis is logged under: once per outage, whatever each retry's error
+/// says (refused, reset, timed out), until a round publishes again.
+const REDIS_DOWN: &str = "Redis down";
 /// Housekeeping at least this often, and no more often than once per poll interval.
 const HOUSEKEEPING_MIN: Duration = Duration::from_secs(1);
 
@@ -224,8 +227,9 @@ fn judge(
         TickOutcome::BrokerDown { error, published } => {
             let delay = relay.backoff.next_delay();
             relay.retry_at = Some(Instant::now() + delay);
-            relay.health.log(
+            relay.health.log_state(
                 Level::Warning,
+                REDIS_DOWN,
                 &format!("Redis failed ({error}) after {published} events of the round; nothing of it is lost, retrying"),
             );
             Ok((false, Some(delay)))
@@ -331,7 +335,11 @@ fn replay_turn(db: &mut PgDatabase, relay: &mut Relay, settings: &TickSettings, 
         ReplayOutcome::BrokerDown(error) => {
             let delay = relay.backoff.next_delay();
             relay.retry_at = Some(Instant::now() + delay);
-            relay.health.log(Level::Warning, &format!("Redis failed during a replay round ({error}); retrying"));
+            relay.health.log_state(
+                Level::Warning,
+                REDIS_DOWN,
+                &format!("Redis failed during a replay round ({error}); retrying"),
+            );
             false
         }
         ReplayOutcome::DatabaseError(error) => {

@@ -77,7 +77,12 @@ fn relay(config: Config, stop: &AtomicBool) {
             Ok(db) => db,
             Err(error) => {
                 let delay = backoff.next_delay();
-                failures.log(Level::Warning, &format!("cannot connect to {shown}: {error}; retrying"));
+                // Once per outage: a server stopping, starting up or gone says so differently each time.
+                failures.log_state(
+                    Level::Warning,
+                    "cannot connect",
+                    &format!("cannot connect to {shown}: {error}; retrying"),
+                );
                 wake::pause(delay, stop);
                 continue;
             }
