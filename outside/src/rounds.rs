@@ -10,6 +10,7 @@
 //! (`pg_stat_activity`), and no commit flags tell it which shards were committed into (every held
 //! shard is read each round: outbox-round's default hooks).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_round::backoff::Backoff;
@@ -37,6 +38,18 @@ const RELAYS: &str = "SELECT count(*)::int8 FROM pg_catalog.pg_stat_activity \
 /// Retries after a failure of Redis or of the database: 100 ms doubling to 10 s (as the worker's).
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
 const BACKOFF_CAP: Duration = Duration::from_secs(10);
+/// How long to wait before looking again while another relay runs a loss repair.
+const REPAIR_WAIT: Duration = Duration::from_millis(20);
+
+/// Raised when this process asked for a replay that repairs a loss (outbox-round's
+/// `raise_repairs` hook): no live round until the repair is done.
+static REPAIRS_RAISED: AtomicBool = AtomicBool::new(false);
+
+/// outbox-round's `raise_repairs` hook.
+pub fn raise_repairs() {
+    REPAIRS_RAISED.store(true, Ordering::SeqCst);
+}
+
 /// The state a failure of Redis is logged under: once per outage, whatever each retry's error
 /// says (refused, reset, timed out), until a round publishes again.
 const REDIS_DOWN: &str = "Redis down";
@@ -65,6 +78,8 @@ pub struct Relay {
     replays_running: bool,
     /// The backend this relay joined the database's relays as (`readiness::join`).
     joined: Option<i32>,
+    /// A loss repair runs (or may): replay rounds only, until none does.
+    repairing: bool,
     kept_alive_at: Instant,
     /// The state last logged (failures, the age alert), each once per change.
     health: OncePerChange,
@@ -95,6 +110,7 @@ impl Relay {
             share: None,
             replays_running: false,
             joined: None,
+            repairing: false,
             kept_alive_at: Instant::now(),
             health: OncePerChange::default(),
             alert: OncePerChange::default(),
@@ -155,6 +171,19 @@ pub fn round(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError>
     if relay.state.version_checked.is_some() && !relay.marks.loaded() {
         keep_marks(db, relay)?;
     }
+    // No live round while a loss repair runs, so that in each stream the replayed events come
+    // before any later one (docs/worker.md, "When Redis loses entries"): raised by this relay's
+    // report, or found by housekeeping (another relay's).
+    if relay.config.replay_on_loss && (relay.repairing || REPAIRS_RAISED.swap(false, Ordering::SeqCst)) {
+        if losses::repairs_running(db, &mut relay.state)? {
+            relay.repairing = true;
+            relay.replays_running = true;
+            let more = relay.retry_at.is_none() && replay_turn(db, relay, &settings, false);
+            let retry_in = if more { None } else { Some(REPAIR_WAIT) };
+            return Ok(Outcome::Ran { more, wake, retry_in });
+        }
+        relay.repairing = false;
+    }
     let mut timings = RoundTimings::default();
     let mut outcome = round::tick(db, &mut relay.sink, &settings, &mut relay.state, &mut relay.flight, &mut timings);
     if let Some(line) = relay.config.log_min_duration.and_then(|threshold| timings.slow_round_line(&outcome, threshold))
@@ -179,6 +208,12 @@ pub fn round(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError>
         keep_marks(db, relay)?;
     }
     losses::report_found(db, &mut relay.sink, relay.config.replay_on_loss).map_err(DbError::new)?;
+    if REPAIRS_RAISED.load(Ordering::SeqCst) && matches!(outcome, TickOutcome::BrokerDown { .. }) {
+        // The sink stopped the round before writing because its check found losses, recorded just
+        // now: not a failure of Redis (no backoff); the repair comes next.
+        relay.full_read_at = Instant::now();
+        return Ok(Outcome::Ran { more: true, wake, retry_in: None });
+    }
     match &outcome {
         TickOutcome::Worked { in_flight: true, .. } => {}
         TickOutcome::Worked { more: true, .. }
@@ -302,6 +337,7 @@ fn housekeep(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
         _ => relay.alert.clear(),
     }
     relay.replays_running = found.replays_running;
+    relay.repairing |= found.repairs_running;
     let retention_s = relay.config.retention.map(|r| r.as_secs().min(i32::MAX as u64) as i32);
     housekeeping::retention(db, retention_s)?;
     Ok(())

@@ -45,6 +45,7 @@ pub fn main() -> i32 {
     outbox_round::hooks::install(outbox_round::hooks::Hooks {
         log: log::info,
         warning: log::warning,
+        raise_repairs: rounds::raise_repairs,
         ..outbox_round::hooks::Hooks::default()
     });
     let stop = Arc::new(AtomicBool::new(false));
