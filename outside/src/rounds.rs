@@ -31,9 +31,16 @@ use crate::password::PasswordFile;
 use crate::pg::{PgDatabase, APPLICATION_NAME};
 use crate::readiness::{self, Readiness};
 
-/// The relays sharing this database's shards: outbox-relay processes connected to it.
+/// The relays sharing this database's shards: outbox-relay processes connected to it that ran a
+/// statement within the lease ($2, ms), as the worker counts the relays alive within
+/// `outbox.lease`. A relay that hangs (SIGSTOP, a stuck call) keeps its backend, idle: counted,
+/// it kept the others' share at half while the reaper freed its shards, and those shards waited
+/// for it to wake. A backend whose state this role may not see (another role's, without
+/// pg_read_all_stats) counts, as before.
 const RELAYS: &str = "SELECT count(*)::int8 FROM pg_catalog.pg_stat_activity \
-                      WHERE datname = pg_catalog.current_database() AND application_name = $1";
+                      WHERE datname = pg_catalog.current_database() AND application_name = $1 \
+                        AND (pid = pg_catalog.pg_backend_pid() OR state_change IS NULL \
+                             OR state_change > pg_catalog.now() - $2 * interval '1 millisecond')";
 
 /// Retries after a failure of Redis or of the database: 100 ms doubling to 10 s (as the worker's).
 const BACKOFF_BASE: Duration = Duration::from_millis(100);
@@ -287,7 +294,9 @@ fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings,
     let share = match relay.share {
         Some((share, at)) if at.elapsed() < config.poll_interval => share,
         _ => {
-            let counted = db.transaction(|db| first::<i64>(&db.select(RELAYS, &[APPLICATION_NAME.into()])?))?;
+            let lease_ms = config.lease.as_millis().min(i32::MAX as u128) as i32;
+            let counted =
+                db.transaction(|db| first::<i64>(&db.select(RELAYS, &[APPLICATION_NAME.into(), lease_ms.into()])?))?;
             let relays = counted.unwrap_or(1).max(1);
             let share = SHARDS.div_ceil(relays as u64) as usize;
             relay.share = Some((share, Instant::now()));
