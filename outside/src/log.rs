@@ -124,6 +124,11 @@ impl OncePerChange {
         true
     }
 
+    /// Whether the last line logged here was of `state` (`log_state`) or was `state` (`log`).
+    pub fn is(&self, state: &str) -> bool {
+        self.last.as_deref() == Some(state)
+    }
+
     pub fn clear(&mut self) {
         self.last = None;
     }
@@ -291,6 +296,7 @@ mod tests {
         assert!(once.log(Level::Log, "b"));
         assert!(once.log_state(Level::Warning, "down", "down: refused"));
         assert!(!once.log_state(Level::Warning, "down", "down: reset"));
+        assert!(once.is("down"));
         assert!(once.log(Level::Log, "up"));
         assert!(once.log_state(Level::Warning, "down", "down: refused"));
     }

@@ -264,6 +264,11 @@ fn judge(
         TickOutcome::SteppedOver => Ok((true, None)),
         TickOutcome::Idle => {
             relay.backoff.reset();
+            // An outage that ends while there is nothing to publish (the keep-alive connected
+            // again) ends here, or the next one would not be logged.
+            if relay.health.is(REDIS_DOWN) && relay.sink.is_connected() {
+                relay.health.log(Level::Log, "Redis is reachable again");
+            }
             Ok((false, None))
         }
         TickOutcome::BrokerDown { error, published } => {
