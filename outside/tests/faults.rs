@@ -54,6 +54,27 @@ fn redis_killed_mid_drain_and_restarted_with_its_data_loses_nothing_and_warns_on
 }
 
 #[test]
+fn redis_down_twice_while_idle_is_warned_once_per_outage() {
+    let pg = sql_only_server();
+    let mut redis = Redis::start_with(&["--appendonly", "yes"]);
+    let mut relay = start_relay(&pg, &redis, &[]);
+    let first = enqueue(&pg, 2, 10, 5);
+    wait_for_distinct(&redis, first);
+    // Nothing to publish: the relay notices each outage by its keep-alive, once per poll interval.
+    for outage in 1..=2 {
+        redis.kill();
+        relay.wait_for_lines("Redis failed", outage);
+        redis.restart();
+        relay.wait_for_lines("Redis is reachable again", outage);
+    }
+    let second = enqueue(&pg, 2, 10, 5);
+    wait_for_distinct(&redis, first + second);
+    assert_in_order(&redis, first + second);
+    assert_eq!(relay.count_lines("WARNING"), 2, "{:#?}", relay.lines());
+    assert!(relay.terminate().success());
+}
+
+#[test]
 fn redis_restarted_empty_mid_drain_is_a_loss_noticed_and_replayed() {
     let pg = sql_only_server();
     let mut redis = Redis::start();
