@@ -100,6 +100,41 @@ fn redis_restarted_empty_mid_drain_is_a_loss_noticed_and_replayed() {
 }
 
 #[test]
+fn redis_restarted_empty_is_a_loss_reported_and_repaired_on_request() {
+    let pg = sql_only_server();
+    let mut redis = Redis::start();
+    let total = enqueue(&pg, 4, 5_000, 50);
+    let mut relay = start_relay(&pg, &redis, &[]);
+    wait_for_drain_begun(&redis);
+    redis.restart();
+    // Without outbox.replay_on_loss the relay reports the loss (a WARNING naming the repair, a row
+    // in outbox.redis_losses, outbox.stats.redis_data_loss) and goes on with the live events.
+    relay.wait_for_line("Redis lost entries of stream \"outbox:order\"");
+    wait_for_nothing_pending(&pg);
+    let mut app = connect_as(&pg, DATABASE, OWNER);
+    let unrepaired = |app: &mut postgres::Client| -> i64 {
+        app.query_one("SELECT redis_data_loss FROM outbox.stats", &[]).unwrap().get(0)
+    };
+    assert!(unrepaired(&mut app) > 0);
+    app.batch_execute("SELECT outbox.repair_losses()").unwrap();
+    wait_for_distinct(&redis, total);
+    wait_for(DEADLINE, "the replay to repair the loss", || (unrepaired(&mut app) == 0).then_some(()));
+    // The replayed events came after the live ones, so each aggregate's are not in stream order
+    // (replay_on_loss is what keeps them so); each aggregate's numbers are still 1..n, each
+    // naming one event.
+    for (aggregate, entries) in by_aggregate(&redis) {
+        let mut events = std::collections::HashMap::new();
+        for (seq, event_id) in entries {
+            let first = events.entry(seq).or_insert_with(|| event_id.clone());
+            assert_eq!(first, &event_id, "aggregate {aggregate}: seq {seq} names two events");
+        }
+        let last = *events.keys().max().unwrap();
+        assert_eq!(events.len() as i64, last, "aggregate {aggregate}: a gap in 1..{last}");
+    }
+    assert!(relay.terminate().success());
+}
+
+#[test]
 fn the_relays_backend_terminated_mid_drain_reconnects_and_finishes() {
     let pg = sql_only_server();
     let redis = Redis::start();
