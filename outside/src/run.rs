@@ -124,6 +124,7 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
     let mut errors = OncePerChange::default();
     let mut last_round: Option<Instant> = None;
     let mut woken = Woken::Timeout;
+    let mut writer_pause = wake::WRITER_IN_FLIGHT_PAUSE;
     while !stop.load(Ordering::Relaxed) {
         if woken == Woken::Notified {
             // The linger (outbox.linger): under steady commits, a round waits a little to gather
@@ -133,8 +134,12 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
             if let Some(gap) = last_round.and_then(|at| gap.checked_sub(at.elapsed())) {
                 wake::pause(gap, stop);
             }
-        } else if woken == Woken::WriterInFlight {
-            wake::pause(wake::WRITER_IN_FLIGHT_PAUSE, stop);
+        }
+        if woken == Woken::WriterInFlight {
+            wake::pause(writer_pause, stop);
+            writer_pause = (writer_pause * 2).min(wake::WRITER_IN_FLIGHT_PAUSE_MAX);
+        } else {
+            writer_pause = wake::WRITER_IN_FLIGHT_PAUSE;
         }
         last_round = Some(Instant::now());
         let step = step(db, relay, stop, poll_interval, &mut state);

@@ -69,7 +69,7 @@ fn two_relays_share_the_shards_and_publish_everything_once_in_order() {
 fn relays_writing_to_different_streams_refuse_to_run_together() {
     let pg = sql_only_server();
     let redis = Redis::start();
-    let mut first = start_relay(&pg, &redis);
+    let mut first = start_relay(&pg, &redis, &[]);
     let url = url(&pg, OWNER, DATABASE);
     let mut second = RelayProcess::start(&[
         "--database-url",
