@@ -85,6 +85,8 @@ pub struct Relay {
     replays_running: bool,
     /// The backend this relay joined the database's relays as (`readiness::join`).
     joined: Option<i32>,
+    /// The last full readiness check that passed: on which backend, when, and the wake channel.
+    ready: Option<(i32, Instant, Option<String>)>,
     /// A loss repair runs (or may): replay rounds only, until none does.
     repairing: bool,
     kept_alive_at: Instant,
@@ -117,6 +119,7 @@ impl Relay {
             share: None,
             replays_running: false,
             joined: None,
+            ready: None,
             repairing: false,
             kept_alive_at: Instant::now(),
             health: OncePerChange::default(),
@@ -148,12 +151,33 @@ pub enum Outcome {
 /// Runs one turn on `db`. An `Err` is a failure of the database (a statement, a lost connection:
 /// `db.is_closed()` tells); failures of Redis are handled here, with backoff, as the worker's are.
 pub fn round(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
-    let wake = match readiness::check(db)? {
-        Readiness::Ready { wake, .. } => wake,
-        other => {
-            relay.flight = None;
-            return Ok(Outcome::NotReady(other));
+    let outcome = turn(db, relay);
+    if outcome.is_err() {
+        relay.ready = None;
+    }
+    outcome
+}
+
+fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
+    // The full check (standby, schema, version, privileges: ten statements and a catalog scan) once
+    // per poll interval and on every new connection; in between, each round's own readiness (the
+    // installation and, once a second, its version) notices a dropped or replaced schema, and a
+    // failed round brings the full check back at once.
+    let wake = match &relay.ready {
+        Some((backend, at, wake)) if *backend == db.backend_pid() && at.elapsed() < relay.config.poll_interval => {
+            wake.clone()
         }
+        _ => match readiness::check(db)? {
+            Readiness::Ready { wake, .. } => {
+                relay.ready = Some((db.backend_pid(), Instant::now(), wake.clone()));
+                wake
+            }
+            other => {
+                relay.ready = None;
+                relay.flight = None;
+                return Ok(Outcome::NotReady(other));
+            }
+        },
     };
     if relay.joined != Some(db.backend_pid()) {
         let format = if relay.config.cloudevents { "cloudevents" } else { "native" };
