@@ -1,8 +1,9 @@
 //! Moving a database from the in-server relays to outbox-relay and back (issue 37, docs/outside-
-//! relay.md, "Decisions"): both kinds claim the same shards with a lease, keyed by a backend pid,
-//! so the outside relay takes them once the paused workers' lease lapses, and the workers take
-//! them back once the outside relay exits. Writers go on throughout; every event is published, in
-//! order per aggregate, and none twice.
+//! relay.md, "Decisions"): both kinds claim the same shards, keyed by a backend pid, so the outside
+//! relay takes them once the paused workers give them up, and the workers take them back once the
+//! outside relay exits. The lease is an hour: each handover must come from a release (a paused
+//! worker's, or an exited relay's backend), never from a lease lapsing. Writers go on throughout;
+//! every event is published, in order per aggregate, and none twice.
 //!
 //! outbox-relay is built by scripts/test.sh, which gives its path in OUTBOX_RELAY_BIN.
 
@@ -69,7 +70,7 @@ fn terminate(mut child: Child) {
 
 #[test]
 fn a_database_moves_to_the_outside_relay_and_back_without_loss_or_duplicates() {
-    let env = Env::start(&["outbox.lease = '2s'", "outbox.poll_interval = '100ms'"]);
+    let env = Env::start(&["outbox.lease = '1h'", "outbox.poll_interval = '100ms'"]);
     let mut client = env.pg.connect();
     let mut total = 0;
     enqueue(&mut client, 200);
@@ -77,10 +78,10 @@ fn a_database_moves_to_the_outside_relay_and_back_without_loss_or_duplicates() {
     env.redis.wait_for_entries("outbox:order", total as usize);
 
     // To the outside relay: started beside the workers, it gets no shard while they hold them;
-    // paused, they keep none past their lease.
+    // paused, they give them up.
     let url = format!("postgresql://postgres@127.0.0.1:{}/postgres", env.pg.port);
     let relay = Command::new(relay_binary())
-        .args(["--database-url", &url, "--redis-url", &env.redis.url(), "--lease", "2s", "--poll-interval", "100ms"])
+        .args(["--database-url", &url, "--redis-url", &env.redis.url(), "--lease", "1h", "--poll-interval", "100ms"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
