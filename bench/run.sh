@@ -11,6 +11,10 @@
 #   BENCH_SETTING="outbox.linger = '2ms'" BENCH_MODE=... # one more postgresql.conf line for the run
 #   BENCH_MODE=cdc bash bench/run.sh [--quick]     # issue 39 alone: outbox_pg, the polling relay and the CDC
 #                                    # relay (drain, latency, writers' throughput, WAL, the slot's retained WAL)
+#   BENCH_MODE=outside bash bench/run.sh [--quick] # issue 37 alone: outbox-relay beside the worker and the seeds'
+#                                    # relay (drain 1/2 processes, latency at 1,000/s, PL/pgSQL enqueue ratio);
+#                                    # OUTBOX_LOG_MIN_DURATION=50ms (any OUTBOX_* setting) reaches outbox-relay;
+#                                    # BENCH_NOTE="..." goes into outside.md
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default
 # synchronous_commit, wal_level = logical for the CDC relay's slot) with outbox_pg preloaded and a private Redis on free loopback ports; their logs
 # (slow autovacuums and lock waits included) stay in $BENCH_DIR (default /tmp/opg-bench) afterwards.
@@ -28,6 +32,14 @@ PG_CONFIG=${PG_CONFIG:-$(bash scripts/pg-config.sh "${PG_MAJOR:-15}")}
 echo "== building (release): extension and benchmark"
 cargo pgrx install --release --pg-config "$PG_CONFIG" >/dev/null
 cargo build --release -p outbox-bench >/dev/null 2>&1 || cargo build --release -p outbox-bench
+# The relay outside the server (issue 37), for the full run and BENCH_MODE=outside: about 3 minutes
+# (fat LTO), built once before any measurement.
+outside=0
+case "${BENCH_MODE:-all}" in all | outside) outside=1 ;; esac
+if [ $outside = 1 ]; then
+  echo "== building (release): outbox-relay"
+  cargo build --release -p outbox-relay >/dev/null 2>&1 || cargo build --release -p outbox-relay
+fi
 # The servers: outbox-testkit's, started the way the tests start theirs.
 cargo build -q -p outbox-testkit --bin outbox-servers
 TARGET=${CARGO_TARGET_DIR:-target}  # where cargo put the binaries
@@ -46,12 +58,18 @@ servers=$("$SERVERS" up --dir "$SERVERS_DIR" --pg-config "$PG_CONFIG" "${cluster
   ${BENCH_SETTING:+--setting "$BENCH_SETTING"})
 eval "$servers"
 echo "== redis-server on 127.0.0.1:$REDIS_PORT, PostgreSQL on 127.0.0.1:$PG_PORT (outbox_pg preloaded), in $SERVERS_DIR"
+# The outside relay's scenarios: the binary, and the SQL-only install they put in a second database.
+outside_args=()
+if [ $outside = 1 ]; then
+  bash scripts/sql-only.sh >"$SERVERS_DIR/sql-only.sql"
+  outside_args=(--relay "$(realpath "$TARGET/release/outbox-relay")" --sql-only "$SERVERS_DIR/sql-only.sql")
+fi
 
 # The reports name the command that made them.
 export BENCH_COMMAND="${BENCH_SETTING:+BENCH_SETTING=\"$BENCH_SETTING\" }${BENCH_MODE:+BENCH_MODE=$BENCH_MODE }bash bench/run.sh${*:+ $*}"
 "$TARGET"/release/outbox-bench "${BENCH_MODE:-all}" --pg "host=127.0.0.1 port=$PG_PORT user=postgres dbname=postgres" \
   --redis "redis://127.0.0.1:$REDIS_PORT" --pgbench "$PG_BIN/pgbench" --out "$OUT" \
-  $([ "${BENCH_MODE:-all}" = all ] && echo "--cluster $CLUSTER_URL") "$@"
+  $([ "${BENCH_MODE:-all}" = all ] && echo "--cluster $CLUSTER_URL") "${outside_args[@]}" "$@"
 if [ "${BENCH_MODE:-all}" = all ]; then
   echo "== $OUT/report.md"
   cat "$OUT/report.md"

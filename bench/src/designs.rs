@@ -53,6 +53,7 @@ impl PeerProcess {
             Peer::Cdc => spawn_relay(args, "cdc-relay", &[], true)?,
             Peer::Polling => spawn_relay(args, "baseline-relay", &["--follow", "--poll-ms", &poll_ms], true)?,
             Peer::OutboxPg => return Err("outbox_pg's relay is no process of its own".into()),
+            Peer::Outside => return Err("the outside relay is started by outside::RelayProcess".into()),
         };
         let process = PeerProcess { peer, child };
         wait_until(Duration::from_secs(30), || match peer {

@@ -18,11 +18,13 @@ use std::time::{Duration, Instant};
 
 mod cdc;
 mod designs;
+mod outside;
 mod scale;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 type Result<T> = std::result::Result<T, Error>;
 
+#[derive(Clone)]
 struct Args {
     command: String,
     pg: String,
@@ -51,6 +53,10 @@ struct Args {
     follow: bool,
     /// `cdc-relay`: ask pgoutput for the columns' text instead of their binary form.
     text: bool,
+    /// The `outbox-relay` binary (target/release/outbox-relay) the outside relay's scenarios run.
+    relay: Option<String>,
+    /// The SQL-only install (`bash scripts/sql-only.sh`'s output) for the outside relay's database.
+    sql_only: Option<String>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -74,6 +80,8 @@ fn parse_args() -> Result<Args> {
         poll_ms: POLL_MS,
         follow: false,
         text: false,
+        relay: None,
+        sql_only: None,
     };
     while let Some(flag) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
@@ -92,6 +100,8 @@ fn parse_args() -> Result<Args> {
             "--text" => parsed.text = true,
             "--retention" => parsed.retention = Some(value()?),
             "--cluster" => parsed.cluster = Some(value()?),
+            "--relay" => parsed.relay = Some(value()?),
+            "--sql-only" => parsed.sql_only = Some(value()?),
             "--quick" => parsed.quick = true,
             other => return Err(format!("unknown argument {other:?}").into()),
         }
@@ -112,6 +122,7 @@ fn main() {
         "sustained" => sustained(&args),
         "drain" => drain_only(&args),
         "payload" => payload_only(&args),
+        "outside" => outside_only(&args),
         other => Err(format!("unknown command {other:?}").into()),
     });
     if let Err(error) = result {
@@ -207,6 +218,9 @@ enum Peer {
     Polling,
     /// The change-data-capture relay (`cdc-relay`) on `bench_seed_outbox`.
     Cdc,
+    /// outbox_pg's relay outside the server (`outbox-relay`), one process, on the database `--pg`
+    /// names (the SQL-only install's, whose `outbox_enqueue` wakes it with a NOTIFY).
+    Outside,
 }
 
 impl Peer {
@@ -215,6 +229,7 @@ impl Peer {
             Peer::OutboxPg => "outbox_pg",
             Peer::Polling => "polling relay",
             Peer::Cdc => "CDC relay",
+            Peer::Outside => "outside relay",
         }
     }
 }
@@ -239,9 +254,17 @@ fn latency_with(args: &Args, peer: Peer, rate: u32, seconds: u32, producers: u32
     let mut admin = pg(&args.pg)?;
     let stream = "outbox:bench_latency";
     redis::cmd("DEL").arg(stream).query::<()>(&mut redis_connection(&args.redis)?)?;
+    let mut outside_relay = None;
     let relay = match peer {
         Peer::OutboxPg => {
             configure(&mut admin, &[("outbox.enabled", "on"), ("outbox.workers", "1"), ("outbox.batch_size", "100")])?;
+            None
+        }
+        Peer::Outside => {
+            configure(&mut admin, &[("outbox.enabled", "off")])?;
+            let process = outside::RelayProcess::start(args, args, 0)?;
+            outside::wait_joined(&mut admin, 1)?;
+            outside_relay = Some(process);
             None
         }
         Peer::Polling | Peer::Cdc => {
@@ -254,7 +277,7 @@ fn latency_with(args: &Args, peer: Peer, rate: u32, seconds: u32, producers: u32
         }
     };
     let enqueue_sql = match peer {
-        Peer::OutboxPg => {
+        Peer::OutboxPg | Peer::Outside => {
             "SELECT outbox_enqueue('bench_latency', $1::bigint, 'payment.created',
                                    jsonb_build_object('payment_id', $1::bigint, 'amount', $2::text::numeric))::text"
         }
@@ -339,6 +362,9 @@ fn latency_with(args: &Args, peer: Peer, rate: u32, seconds: u32, producers: u32
     let _ = wait_until(Duration::from_secs(30), || Ok(arrivals.lock().map_err(|_| "poisoned")?.len() >= commits.len()));
     stop.store(true, Ordering::SeqCst);
     reader.join().map_err(|_| "reader panicked")??;
+    if let Some(relay) = outside_relay {
+        relay.stop()?;
+    }
     if let Some(relay) = relay {
         relay.stop(&mut admin)?;
         if peer == Peer::Cdc {
@@ -907,23 +933,33 @@ fn pgbench_result(output: &std::process::Output) -> Result<PgbenchRun> {
     Ok(PgbenchRun { tps, transactions })
 }
 
+/// The enqueue cost's pgbench transaction with a plain INSERT into the seeds' outbox table.
+const PLAIN_SCRIPT: &str = "BEGIN;
+INSERT INTO bench_payments (payer, amount) VALUES ('payer', 12.34);
+INSERT INTO bench_seed_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
+VALUES (gen_random_uuid(), 'payment', currval('bench_payments_id_seq')::text, 'payment.created', '{\"amount\": \"12.34\"}');
+END;
+";
+
+/// The same transaction with `outbox_enqueue` (the extension's, or the SQL-only install's).
+const ENQUEUE_SCRIPT: &str = "BEGIN;
+INSERT INTO bench_payments (payer, amount) VALUES ('payer', 12.34);
+SELECT outbox_enqueue('payment', currval('bench_payments_id_seq'), 'payment.created', '{\"amount\": \"12.34\"}');
+END;
+";
+
+/// The `key=value` pairs of a connection string.
+fn conninfo_parts(conninfo: &str) -> HashMap<String, String> {
+    conninfo.split_whitespace().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.into(), v.into())).collect()
+}
+
 fn enqueue_cost(args: &Args, seconds: u32, relay_on: bool) -> Result<Tps> {
     let mut admin = pg(&args.pg)?;
     // Both sides start from empty tables.
     pause_and_empty_outbox(&mut admin)?;
     admin.batch_execute("TRUNCATE bench_seed_outbox, bench_payments")?;
     configure(&mut admin, &[("outbox.enabled", if relay_on { "on" } else { "off" }), ("outbox.workers", "1")])?;
-    let plain = "BEGIN;
-INSERT INTO bench_payments (payer, amount) VALUES ('payer', 12.34);
-INSERT INTO bench_seed_outbox (event_id, aggregate_type, aggregate_id, event_type, payload)
-VALUES (gen_random_uuid(), 'payment', currval('bench_payments_id_seq')::text, 'payment.created', '{\"amount\": \"12.34\"}');
-END;
-";
-    let outbox = "BEGIN;
-INSERT INTO bench_payments (payer, amount) VALUES ('payer', 12.34);
-SELECT outbox_enqueue('payment', currval('bench_payments_id_seq'), 'payment.created', '{\"amount\": \"12.34\"}');
-END;
-";
+    let (plain, outbox) = (PLAIN_SCRIPT, ENQUEUE_SCRIPT);
     // Alternate the two, three times each, and keep the medians: the machine's noise hits both.
     let (mut plain_runs, mut outbox_runs, mut pending_after) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
@@ -1440,6 +1476,65 @@ fn cdc_only(args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `BENCH_MODE=outside` (issue 37, step 5): the outside relay's figures beside the in-server
+/// worker's and the seeds' relay's, measured in this run: latency at 1,000 events/s, the drain with
+/// 1 and 2 processes of each relay (1 worker), and the enqueue ratio. Written to
+/// `outside.md` and `outside.json`.
+fn outside_only(args: &Args) -> Result<()> {
+    let (latency_s, drain_events, tps_s) = if args.quick { (3, 20_000, 3) } else { (15, 100_000, 10) };
+    let mut admin = pg(&args.pg)?;
+    admin.batch_execute(PAYMENTS_DDL)?;
+    admin.batch_execute(SEED_OUTBOX_DDL)?;
+    let machine = machine_facts(&mut admin)?;
+    eprintln!("== latency at 1,000 events/s for {latency_s} s: in-server worker, then the seeds' relay");
+    let worker_latency = latency(args, 1000, latency_s)?;
+    let polling_latency = latency_of(args, Peer::Polling, 1000, latency_s)?;
+    eprintln!(
+        "   worker p50/p99 {:.2}/{:.2} ms, seeds' relay {:.2}/{:.2} ms",
+        percentile(&worker_latency.samples_ms, 50.0),
+        percentile(&worker_latency.samples_ms, 99.0),
+        percentile(&polling_latency.samples_ms, 50.0),
+        percentile(&polling_latency.samples_ms, 99.0)
+    );
+    eprintln!("== drain {drain_events} events over 10,000 aggregates: 1 worker, seeds' relay 1/2 processes");
+    let worker_drain = drain_in_server(args, drain_events, 10_000, 1)?;
+    configure(&mut admin, &[("outbox.enabled", "off")])?;
+    let polling_drains =
+        [1, 2].into_iter().map(|n| drain_baseline(args, drain_events, 10_000, n)).collect::<Result<Vec<_>>>()?;
+    eprintln!(
+        "   worker {:.0}/s, seeds' relay {:.0}/{:.0}/s",
+        worker_drain.events_per_s, polling_drains[0].events_per_s, polling_drains[1].events_per_s
+    );
+    let measured = outside::measure(args, drain_events, latency_s, tps_s)?;
+    let ctx = outside::Context {
+        batch: args.batch,
+        drain_events,
+        worker_drain: &worker_drain,
+        polling_drains: &polling_drains,
+        worker_latency: &worker_latency,
+        polling_latency: Some(&polling_latency),
+    };
+    let mut md = format!(
+        "# outbox_pg: the relay outside the server\n\nMade with `{}`.\n\nMachine: {machine}.\n\n",
+        command_line(args)
+    );
+    if args.quick {
+        md.push_str("**Quick run**: smaller backlogs and shorter runs; a smoke test, not the figures.\n\n");
+    }
+    // What the machine was doing besides (e.g. other sessions' tests), as the one who ran it says.
+    if let Ok(note) = std::env::var("BENCH_NOTE") {
+        md.push_str(&format!("**Note**: {note}\n\n"));
+    }
+    md.push_str(&outside::section(&measured, &ctx).replacen("## ", "## Figures: ", 1));
+    let json = serde_json::json!({"command": command_line(args), "machine": machine, "quick": args.quick,
+                                  "batch_size": args.batch, "outside": outside::json(&measured, &ctx)});
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::write(format!("{}/outside.md", args.out), &md)?;
+    std::fs::write(format!("{}/outside.json", args.out), serde_json::to_string_pretty(&json)?)?;
+    eprintln!("{md}\nwrote {0}/outside.md, {0}/outside.json", args.out);
+    Ok(())
+}
+
 // ------------------------------------------------------------------------------------------------
 // Report.
 // ------------------------------------------------------------------------------------------------
@@ -1514,7 +1609,7 @@ fn command_line(args: &Args) -> String {
         if let Some(retention) = &args.retention {
             command.push_str(&format!(" --retention {retention}"));
         }
-    } else if matches!(args.command.as_str(), "steady" | "cdc") {
+    } else if matches!(args.command.as_str(), "steady" | "cdc" | "outside") {
         command.push_str(&format!("BENCH_MODE={} bash bench/run.sh", args.command));
     } else {
         command.push_str("bash bench/run.sh");
@@ -1531,6 +1626,8 @@ fn command_line(args: &Args) -> String {
 /// Everything `all` measures, for the report.
 struct Results {
     command: String,
+    /// `--batch`.
+    batch: i32,
     machine: String,
     drain_events: i64,
     lat: Latency,
@@ -1556,6 +1653,8 @@ struct Results {
     large: scale::LargeTransaction,
     /// Issue 39: the CDC relay, the writers' cost of each relay, the slot's retained WAL.
     designs: designs::Comparison,
+    /// Issue 37: the relay outside the server.
+    outside: outside::Outside,
 }
 
 fn run_all(args: &Args) -> Result<()> {
@@ -1647,6 +1746,7 @@ fn run_all(args: &Args) -> Result<()> {
     let tps_on = enqueue_cost(args, tps_seconds, true)?;
     eprintln!("   relay paused {:.1}%, running {:.1}%", 100.0 * tps_off.ratio(), 100.0 * tps_on.ratio());
     let designs = designs::compare(args, &designs::Sizes::of(args.quick))?;
+    let outside = outside::measure(args, drain_events, latency_seconds, tps_seconds)?;
     eprintln!("== idle for {idle_seconds} s");
     let idle = idle(args, idle_seconds)?;
     purge_everything(&mut admin)?;
@@ -1656,6 +1756,7 @@ fn run_all(args: &Args) -> Result<()> {
         args,
         &Results {
             command: command_line(args),
+            batch: args.batch,
             machine,
             drain_events,
             lat,
@@ -1672,6 +1773,7 @@ fn run_all(args: &Args) -> Result<()> {
             payloads,
             large,
             designs,
+            outside,
         },
     )
 }
@@ -1752,7 +1854,7 @@ fn targets(r: &Results) -> Vec<Target> {
     let wal_seeds = r.wal.seeds.total() as f64 / r.wal.events as f64;
     let max_pending = r.tps_on.pending_after.iter().copied().max().unwrap_or(0);
     let redis_us = r.in_server[0].redis_cpu_us_per_event.unwrap_or(f64::NAN);
-    vec![
+    let mut rows = vec![
         Target {
             figure: "Enqueue ratio, relay paused: TPS of INSERT payment + `outbox_enqueue` ÷ TPS of INSERT payment + \
                      INSERT into the seeds' outbox table"
@@ -1924,7 +2026,29 @@ fn targets(r: &Results) -> Vec<Target> {
             target: "recorded",
             met: None,
         },
-    ]
+    ];
+    // Issue 37: the relay outside the server.
+    rows.extend(
+        outside::targets(&r.outside, &outside_context(r)).into_iter().map(|(figure, result, target, met)| Target {
+            figure,
+            result,
+            target,
+            met: Some(met),
+        }),
+    );
+    rows
+}
+
+/// What the outside relay's figures are set beside in the full run.
+fn outside_context(r: &Results) -> outside::Context<'_> {
+    outside::Context {
+        batch: r.batch,
+        drain_events: r.drain_events,
+        worker_drain: &r.in_server[0],
+        polling_drains: &r.baseline,
+        worker_latency: &r.lat,
+        polling_latency: Some(&r.designs.polling_latency),
+    }
 }
 
 fn drain_json(drain: &Drain, unit: &str) -> serde_json::Value {
@@ -2005,6 +2129,7 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
                 "ratio": per_event(r.wal.outbox.total()) / per_event(r.wal.seeds.total()),
                 "plain_insert_bytes_per_event": per_event(r.wal.seeds.enqueue)},
         "designs": designs::json(&r.designs),
+        "outside": outside::json(&r.outside, &outside_context(r)),
         "idle": {"seconds": r.idle.seconds, "relay_cpu_ms": r.idle.cpu_ms, "transactions": r.idle.transactions,
                  "poll_interval": r.idle.poll_interval},
         "latency_10k": {"rate_per_s": r.lat_10k.rate, "reached_per_s": r.lat_10k.achieved_rate(),
@@ -2032,7 +2157,7 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
              not the figures.\n\n",
         );
     }
-    md.push_str("## Targets (issues 12, 26 and 39)\n\n| figure | result | target | met? |\n|---|---|---|---|\n");
+    md.push_str("## Targets (issues 12, 26, 37 and 39)\n\n| figure | result | target | met? |\n|---|---|---|---|\n");
     for t in &targets {
         let met = match t.met {
             Some(true) => "yes",
@@ -2146,6 +2271,9 @@ fn write_report(args: &Args, r: &Results) -> Result<()> {
             wal: &r.wal,
         },
     ));
+
+    md.push('\n');
+    md.push_str(&outside::section(&r.outside, &outside_context(r)));
 
     if let Some((single, cluster)) = &r.topology {
         md.push_str(&format!(
