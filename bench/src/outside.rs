@@ -155,6 +155,14 @@ fn relay_backends(admin: &mut postgres::Client) -> Result<Vec<i32>> {
 pub fn drain_outside(args: &Args, events: i64, aggregates: i64, processes: usize) -> Result<Drain> {
     let mut admin = pg(&args.pg)?;
     prepare_backlog(args, &mut admin, events, aggregates, BACKLOG_PAYLOAD)?;
+    // A paused worker (`outbox.enabled = off`) keeps the shards it had claimed, and an outside relay
+    // may take them only once the lease has run out (30 s): the drain would measure that wait. Let
+    // them go here, as the worker would if pausing released its claims (it is alive and paused, not
+    // in a round: prepare_backlog waited for that).
+    admin.batch_execute(
+        "UPDATE outbox.shards SET claimed_by = NULL, claimed_at = NULL
+          WHERE claimed_by IN (SELECT pid FROM pg_stat_activity WHERE backend_type = 'outbox_pg relay')",
+    )?;
     let redis_before = redis_cpu_seconds(&args.redis)?;
     let started = Instant::now();
     let relays = (0..processes).map(|n| RelayProcess::start(args, args, n)).collect::<Result<Vec<_>>>()?;
