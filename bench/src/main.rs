@@ -1525,7 +1525,7 @@ fn outside_only(args: &Args) -> Result<()> {
     if let Ok(note) = std::env::var("BENCH_NOTE") {
         md.push_str(&format!("**Note**: {note}\n\n"));
     }
-    md.push_str(&outside::section(&measured, &ctx).replacen("## ", "## Figures: ", 1));
+    md.push_str(&outside::section(&measured, &ctx));
     let json = serde_json::json!({"command": command_line(args), "machine": machine, "quick": args.quick,
                                   "batch_size": args.batch, "outside": outside::json(&measured, &ctx)});
     std::fs::create_dir_all(&args.out)?;
