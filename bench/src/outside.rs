@@ -319,7 +319,7 @@ pub fn targets(o: &Outside, ctx: &Context) -> Vec<(String, String, &'static str,
              configuration)"
                 .into(),
             format!(
-                "{:.2}× ({} / {} events/s, {})",
+                "{:.2}× ({} / {} events/s, the seeds' relay with {})",
                 best_outside / polling_rate,
                 grouped(best_outside),
                 grouped(polling_rate),
