@@ -31,12 +31,24 @@ use crate::password::PasswordFile;
 use crate::pg::{PgDatabase, APPLICATION_NAME};
 use crate::readiness::{self, Readiness};
 
-/// The relays sharing this database's shards: outbox-relay processes connected to it that ran a
-/// statement within the lease ($2, ms), as the worker counts the relays alive within
-/// `outbox.lease`. A relay that hangs (SIGSTOP, a stuck call) keeps its backend, idle: counted,
-/// it kept the others' share at half while the reaper freed its shards, and those shards waited
-/// for it to wake. A backend whose state this role may not see (another role's, without
-/// pg_read_all_stats) counts, as before.
+/// The relays sharing this database's shards: those that joined (`outbox._join_relays`), whose
+/// connection is still there and ran a statement within the lease ($1, ms), as the worker counts the
+/// relays alive within `outbox.lease`. Not every connection named `outbox-relay`: any role may
+/// connect under that application_name, and a relay refused by the join check publishes nothing;
+/// counting either shrank the share of the relays that publish, and the shards beyond it waited for
+/// as long as those connections stayed (found by attack). Nor a relay that hangs (SIGSTOP, a stuck
+/// call): it keeps its backend, idle, and counted it kept the others' share at half while the reaper
+/// freed its shards. A backend whose state this role may not see (state_change NULL) counts.
+const JOINED_RELAYS: &str = "SELECT count(*)::int8 FROM outbox.outside_relays r \
+                             WHERE r.backend_pid = pg_catalog.pg_backend_pid() \
+                                OR r.backend_pid IN (SELECT a.pid FROM pg_catalog.pg_stat_activity a \
+                                                      WHERE a.datname = pg_catalog.current_database() \
+                                                        AND (a.state_change IS NULL \
+                                                             OR a.state_change > pg_catalog.now() - $1 * interval '1 millisecond'))";
+/// Whether the relay's role may read outbox.outside_relays (the installing role and outbox_admin
+/// may); a role granted only the round's functions counts connections by application_name.
+const MAY_READ_RELAYS: &str = "SELECT pg_catalog.has_table_privilege('outbox.outside_relays', 'SELECT')";
+/// The fallback: connections named outbox-relay, active within the lease ($2, ms).
 const RELAYS: &str = "SELECT count(*)::int8 FROM pg_catalog.pg_stat_activity \
                       WHERE datname = pg_catalog.current_database() AND application_name = $1 \
                         AND (pid = pg_catalog.pg_backend_pid() OR state_change IS NULL \
@@ -324,8 +336,13 @@ fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings,
         Some((share, at)) if at.elapsed() < config.poll_interval => share,
         _ => {
             let lease_ms = config.lease.as_millis().min(i32::MAX as u128) as i32;
-            let counted =
-                db.transaction(|db| first::<i64>(&db.select(RELAYS, &[APPLICATION_NAME.into(), lease_ms.into()])?))?;
+            let counted = db.transaction(|db| {
+                if first::<bool>(&db.select(MAY_READ_RELAYS, &[])?)?.unwrap_or(false) {
+                    first::<i64>(&db.select(JOINED_RELAYS, &[lease_ms.into()])?)
+                } else {
+                    first::<i64>(&db.select(RELAYS, &[APPLICATION_NAME.into(), lease_ms.into()])?)
+                }
+            })?;
             let relays = counted.unwrap_or(1).max(1);
             let share = SHARDS.div_ceil(relays as u64) as usize;
             relay.share = Some((share, Instant::now()));

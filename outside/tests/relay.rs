@@ -66,6 +66,28 @@ fn two_relays_share_the_shards_and_publish_everything_once_in_order() {
 }
 
 #[test]
+fn connections_named_outbox_relay_do_not_shrink_the_relays_share() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    // Any role that may connect can name its connections outbox-relay: they publish nothing, so
+    // the relay must not count them among the relays it shares the shards with.
+    pg.connect().batch_execute("CREATE ROLE intruder LOGIN").unwrap();
+    let impostors: Vec<postgres::Client> = (0..15)
+        .map(|_| {
+            let url = format!("{}?application_name=outbox-relay", url(&pg, "intruder", DATABASE));
+            postgres::Client::connect(&url, postgres::NoTls).unwrap()
+        })
+        .collect();
+    let mut relay = start_relay(&pg, &redis);
+    // 64 aggregates fall in every one of the 16 shards.
+    let total = enqueue(&pg, 8, 64, 64);
+    wait_for_distinct(&redis, total);
+    assert_in_order(&redis, total);
+    drop(impostors);
+    assert!(relay.terminate().success());
+}
+
+#[test]
 fn relays_writing_to_different_streams_refuse_to_run_together() {
     let pg = sql_only_server();
     let redis = Redis::start();
