@@ -69,7 +69,7 @@ const I32_MAX: i64 = i32::MAX as i64;
 const SPECS: &[Spec] = &[
     Spec {
         name: "database_url",
-        kind: Type::Str(None),
+        kind: Type::Str(Some(check_database_url)),
         default: "",
         help: "The database to relay (postgresql://... or key=value, sslmode as libpq's); one per process. Required.",
     },
@@ -222,6 +222,18 @@ fn check_redis_url(url: &str) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+fn check_database_url(url: &str) -> Result<(), String> {
+    let trimmed = url.trim_start();
+    let scheme = trimmed.split_once("://").map(|(scheme, _)| scheme.to_ascii_lowercase());
+    if url.trim().is_empty()
+        || matches!(scheme.as_deref(), Some("postgresql" | "postgres"))
+        || crate::log::looks_like_key_value(url)
+    {
+        return Ok(());
+    }
+    Err("neither a postgresql:// URL nor key=value pairs (host=... dbname=...)".into())
 }
 
 /// Where a value came from, for error messages.
@@ -514,8 +526,10 @@ enum Parsed {
 fn check(spec: &Spec, text: &str, source: &Source) -> Result<Parsed, String> {
     let bad = |why: String| {
         // A Redis URL's error never repeats the URL: it may hold a password.
-        let shown = if spec.name == "redis_url" || spec.name == "database_url" {
-            crate::log::redact_any_url(text)
+        let shown = if spec.name == "redis_url" {
+            outbox_protocol::redis_url::redact(text)
+        } else if spec.name == "database_url" {
+            crate::log::redact_database_url(text)
         } else {
             text.to_string()
         };
@@ -756,39 +770,44 @@ mod tests {
 
     #[test]
     fn a_bad_value_names_the_setting_the_value_and_the_source() {
-        let error = config(&["--database-url", "x", "--batch-size", "0"], &[]).unwrap_err();
+        let error = config(&["--database-url", "host=x", "--batch-size", "0"], &[]).unwrap_err();
         assert_eq!(
             error,
             "invalid value for batch_size: \"0\" (from the flag --batch-size): out of range [1 .. 10000]"
         );
-        let error = config(&["--database-url", "x"], &[("OUTBOX_POLL_INTERVAL", "5")]).unwrap_err();
+        let error = config(&["--database-url", "host=x"], &[("OUTBOX_POLL_INTERVAL", "5")]).unwrap_err();
         assert_eq!(
             error,
             "invalid value for poll_interval: \"5\" (from the environment variable OUTBOX_POLL_INTERVAL): out of range [10ms .. 3600000ms]"
         );
-        let error = config(&["--database-url", "x", "--ordering", "random"], &[]).unwrap_err();
+        let error = config(&["--database-url", "host=x", "--ordering", "random"], &[]).unwrap_err();
         assert!(error.contains("ordering") && error.contains("aggregate, none"), "{error}");
-        let error = config(&["--database-url", "x", "--cloudevents-source", "/{nope}"], &[]).unwrap_err();
+        let error = config(&["--database-url", "host=x", "--cloudevents-source", "/{nope}"], &[]).unwrap_err();
         assert!(error.starts_with("invalid value for cloudevents_source"), "{error}");
-        assert!(config(&["--database-url", "x", "--no-such", "1"], &[])
+        assert!(config(&["--database-url", "host=x", "--no-such", "1"], &[])
             .unwrap_err()
             .contains("unknown flag --no-such"));
         assert!(config(&[], &[]).unwrap_err().contains("database_url is not set"));
+        let error = config(&["--database-url", "host=x", "--redis-url", "redis//u:s3cret@r"], &[]).unwrap_err();
+        assert!(error.contains("not a redis:// URL") && !error.contains("s3cret"), "{error}");
+        let error = config(&["--database-url", "postgresql//app:s3cret@db/app"], &[]).unwrap_err();
+        assert!(error.contains("neither a postgresql:// URL nor key=value") && !error.contains("s3cret"), "{error}");
     }
 
     #[test]
     fn a_redis_password_is_taken_from_the_environment_or_a_file_only() {
-        let error = config(&["--database-url", "x", "--redis-url", "redis://:hunter2@r:6379"], &[]).unwrap_err();
+        let error = config(&["--database-url", "host=x", "--redis-url", "redis://:hunter2@r:6379"], &[]).unwrap_err();
         assert!(error.contains("redis_password_file") && error.contains(REDIS_PASSWORD_ENV), "{error}");
         assert!(!error.contains("hunter2"), "{error}");
-        assert!(config(&["--database-url", "x"], &[("OUTBOX_REDIS_URL", "redis://u:hunter2@r")]).is_err());
-        assert!(config(&["--database-url", "x", "--redis-password", "p"], &[]).unwrap_err().contains("refused"));
-        let c = config(&["--database-url", "x", "--redis-url", "redis://user@r:6379"], &[(REDIS_PASSWORD_ENV, "pw")])
-            .unwrap();
+        assert!(config(&["--database-url", "host=x"], &[("OUTBOX_REDIS_URL", "redis://u:hunter2@r")]).is_err());
+        assert!(config(&["--database-url", "host=x", "--redis-password", "p"], &[]).unwrap_err().contains("refused"));
+        let c =
+            config(&["--database-url", "host=x", "--redis-url", "redis://user@r:6379"], &[(REDIS_PASSWORD_ENV, "pw")])
+                .unwrap();
         assert_eq!(c.redis_password, Some(Secret("pw".into())));
         assert!(!format!("{c:?}").contains("\"pw\""));
-        let error =
-            config(&["--database-url", "x", "--redis-password-file", "/f"], &[(REDIS_PASSWORD_ENV, "pw")]).unwrap_err();
+        let error = config(&["--database-url", "host=x", "--redis-password-file", "/f"], &[(REDIS_PASSWORD_ENV, "pw")])
+            .unwrap_err();
         assert!(error.contains("keep one"), "{error}");
     }
 

@@ -180,7 +180,22 @@ pub fn redact_database_url(url: &str) -> String {
         };
         return format!("{scheme}{authority}{tail}");
     }
+    if !looks_like_key_value(url) {
+        // Neither form (a mistyped scheme, `postgresql:/`, `user:pw@host`): where its password is
+        // cannot be told, so none of it is shown.
+        return NOT_A_DATABASE_URL.into();
+    }
     redact_key_value(url)
+}
+
+/// What a database URL that is neither a `postgresql://` URL nor `key=value` pairs is shown as.
+pub const NOT_A_DATABASE_URL: &str = "(hidden: neither a postgresql:// URL nor key=value pairs)";
+
+/// Whether `conninfo` starts as libpq's `key=value` pairs do: a keyword, then `=` (spaces allowed).
+pub fn looks_like_key_value(conninfo: &str) -> bool {
+    let rest = conninfo.trim_start();
+    let keyword_end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(rest.len());
+    keyword_end > 0 && rest[keyword_end..].trim_start().starts_with('=')
 }
 
 /// `host=h password='x y' user=u` with the password's value masked.
@@ -253,6 +268,10 @@ mod tests {
         assert_eq!(redact_database_url("host=db password='s3 cret' user=app"), "host=db password=**** user=app");
         assert_eq!(redact_database_url("host=db password = s3cret"), "host=db password = ****");
         assert_eq!(redact_database_url("passwordless=1 host=db"), "passwordless=1 host=db");
+        for mistyped in ["postgresql//app:s3cret@db/app", "postgresql:/app:s3cret@db/app", "app:s3cret@db/app"] {
+            assert_eq!(redact_database_url(mistyped), NOT_A_DATABASE_URL);
+        }
+        assert_eq!(redact_database_url(" host = db"), " host = db");
     }
 
     #[test]
