@@ -439,3 +439,19 @@ fn replay_turn(db: &mut PgDatabase, relay: &mut Relay, settings: &TickSettings, 
         }
     }
 }
+
+/// Gives up this relay's shards before it exits (a claim with a share of 0), once what it had in
+/// flight is landed; a failure changes nothing (its backend ends with the process, which frees them
+/// as well, a little later).
+pub fn release(db: &mut PgDatabase, relay: &mut Relay) {
+    if let Some(outcome) = round::land_in_flight(db, &mut relay.sink, &mut relay.state, &mut relay.flight) {
+        if !matches!(outcome, TickOutcome::Worked { .. }) {
+            return;
+        }
+    }
+    let lease_ms = relay.config.lease.as_millis().min(i32::MAX as u128) as i32;
+    let pid = db.backend_pid();
+    let _ = db.transaction(|db| {
+        db.query("SELECT shard FROM outbox._claim_shards($1, 0, $2)", &[pid.into(), lease_ms.into()])
+    });
+}

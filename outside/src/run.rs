@@ -110,7 +110,11 @@ fn relay(config: Config, stop: &AtomicBool) {
             },
         };
         serve(&mut db, relay, stop);
-        if !stop.load(Ordering::Relaxed) {
+        if stop.load(Ordering::Relaxed) {
+            // The round in flight was finished; give the shards up so that the other relays take
+            // them at their next claim, not when their reaper notices the connection gone.
+            rounds::release(&mut db, relay);
+        } else {
             log::warning(&format!("the connection to {shown} was lost; reconnecting"));
             wake::pause(backoff.next_delay(), stop);
         }

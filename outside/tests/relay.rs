@@ -26,6 +26,12 @@ fn every_committed_event_reaches_redis_in_order_and_no_rolled_back_one() {
     // Finished too: nothing is left pending in the database.
     wait_for_nothing_pending(&pg);
     assert!(relay.terminate().success());
+    // It gave its shards up before exiting: the next relay takes them at once.
+    let claimed: i64 = connect_as(&pg, DATABASE, OWNER)
+        .query_one("SELECT count(*) FROM outbox.shards WHERE claimed_by IS NOT NULL", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(claimed, 0);
 }
 
 #[test]
@@ -78,7 +84,7 @@ fn connections_named_outbox_relay_do_not_shrink_the_relays_share() {
             postgres::Client::connect(&url, postgres::NoTls).unwrap()
         })
         .collect();
-    let mut relay = start_relay(&pg, &redis);
+    let mut relay = start_relay(&pg, &redis, &[]);
     // 64 aggregates fall in every one of the 16 shards.
     let total = enqueue(&pg, 8, 64, 64);
     wait_for_distinct(&redis, total);
