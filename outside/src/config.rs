@@ -313,6 +313,17 @@ pub struct Config {
 }
 
 impl Config {
+    /// `lease` in milliseconds, as the round's SQL functions take it.
+    pub fn lease_ms(&self) -> i32 {
+        self.lease.as_millis().min(i32::MAX as u128) as i32
+    }
+
+    /// `retention` in seconds, as the round's SQL functions take it (None: keep what was published
+    /// until `outbox.purge`).
+    pub fn retention_s(&self) -> Option<i32> {
+        self.retention.map(|r| r.as_secs().min(i32::MAX as u64) as i32)
+    }
+
     /// What outbox-sink needs to reach Redis. `password_file` is where the password is read from at
     /// each connect: `redis_password_file`, or the file the caller made of `OUTBOX_REDIS_PASSWORD`.
     pub fn redis_config(&self, password_file: Option<String>) -> RedisConfig {

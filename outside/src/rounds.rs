@@ -17,6 +17,7 @@ use outbox_round::backoff::Backoff;
 use outbox_round::db::{first, Database, DbError};
 use outbox_round::housekeeping::{self, HousekeepingOutcome};
 use outbox_round::losses::{self, MarkKeeping};
+use outbox_round::read;
 use outbox_round::replay::{self, ReplayOutcome};
 use outbox_round::round::{self, Flight, RoundTimings, TickOutcome};
 use outbox_round::state::RoundState;
@@ -335,7 +336,7 @@ fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings,
     let share = match relay.share {
         Some((share, at)) if at.elapsed() < config.poll_interval => share,
         _ => {
-            let lease_ms = config.lease.as_millis().min(i32::MAX as u128) as i32;
+            let lease_ms = config.lease_ms();
             let counted = db.transaction(|db| {
                 if first::<bool>(&db.select(MAY_READ_RELAYS, &[])?)?.unwrap_or(false) {
                     first::<i64>(&db.select(JOINED_RELAYS, &[lease_ms.into()])?)
@@ -367,7 +368,7 @@ fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings,
 
 /// The reaper, the age of the oldest pending event (the alert), recorded snapshots, retention.
 fn housekeep(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
-    let lease_ms = relay.config.lease.as_millis().min(i32::MAX as u128) as i32;
+    let lease_ms = relay.config.lease_ms();
     let found = match housekeeping::housekeeping(db, &mut relay.state, lease_ms)? {
         HousekeepingOutcome::Done(found) => found,
         _ => return Ok(()),
@@ -393,7 +394,7 @@ fn housekeep(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
     }
     relay.replays_running = found.replays_running;
     relay.repairing |= found.repairs_running;
-    let retention_s = relay.config.retention.map(|r| r.as_secs().min(i32::MAX as u64) as i32);
+    let retention_s = relay.config.retention_s();
     housekeeping::retention(db, retention_s)?;
     Ok(())
 }
@@ -401,7 +402,7 @@ fn housekeep(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
 /// The stream marks: those earlier relays stored, loaded before the first write; this relay's own,
 /// stored when they moved (src/relay/losses.rs in outbox-round).
 fn keep_marks(db: &mut PgDatabase, relay: &mut Relay) -> Result<(), DbError> {
-    let retention_s = relay.config.retention.map(|r| r.as_secs().min(i32::MAX as u64) as i32);
+    let retention_s = relay.config.retention_s();
     relay.marks.keep(db, &mut relay.sink, 0, retention_s).map_err(DbError::new)
 }
 
@@ -440,7 +441,7 @@ fn replay_turn(db: &mut PgDatabase, relay: &mut Relay, settings: &TickSettings, 
     }
 }
 
-/// Gives up this relay's shards before it exits (a claim with a share of 0), once what it had in
+/// Gives up this relay's shards before it exits (`read::release_shards`), once what it had in
 /// flight is landed; a failure changes nothing (its backend ends with the process, which frees them
 /// as well, a little later).
 pub fn release(db: &mut PgDatabase, relay: &mut Relay) {
@@ -449,9 +450,6 @@ pub fn release(db: &mut PgDatabase, relay: &mut Relay) {
             return;
         }
     }
-    let lease_ms = relay.config.lease.as_millis().min(i32::MAX as u128) as i32;
     let pid = db.backend_pid();
-    let _ = db.transaction(|db| {
-        db.query("SELECT shard FROM outbox._claim_shards($1, 0, $2)", &[pid.into(), lease_ms.into()])
-    });
+    let _ = read::release_shards(db, &mut relay.state, pid, relay.config.lease);
 }

@@ -302,6 +302,23 @@ pub fn read_round(
     read.map_err(String::from)
 }
 
+/// Gives up every shard relay `pid` holds (a claim with a share of 0), and forgets them: a relay
+/// that pauses or exits, once its round in flight is landed, so that the other relays take them at
+/// their next claim rather than after the lease (30 s by default, during which nothing of them was
+/// published: found by the outside relay's bench).
+pub fn release_shards(
+    db: &mut impl Database,
+    state: &mut RoundState,
+    pid: i32,
+    lease: Duration,
+) -> Result<(), DbError> {
+    let lease_ms = lease.as_millis().min(i32::MAX as u128) as i32;
+    db.transaction(|db| db.execute(CLAIM, &[pid.into(), 0i32.into(), lease_ms.into()]))?;
+    state.held_shards = 0;
+    state.forget_kept_claim();
+    Ok(())
+}
+
 /// The shards of a claim kept from an earlier round, as the claim would give them, or none when they
 /// are no longer exactly the kept ones (the claim is then forgotten).
 fn read_kept_claim(

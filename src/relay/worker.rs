@@ -12,7 +12,6 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_round::db::Database;
 use outbox_sink::redis::RedisSink;
 use pgrx::bgworkers::{BackgroundWorker, SignalWakeFlags};
 use pgrx::prelude::*;
@@ -764,22 +763,15 @@ impl Relay {
     }
 
     /// Gives up this relay's shards while it is paused (`outbox.enabled = off`), once the round in
-    /// flight is landed: another relay (an outbox-relay taking the database over) takes them at its
-    /// next claim rather than after the lease (30 s by default, during which nothing of them was
-    /// published: found by the outside relay's bench). A claim with a share of 0 gives back all.
+    /// flight is landed (`read::release_shards`); an outbox-relay taking the database over takes them
+    /// at its next claim. A failure changes nothing: the lease frees them later.
     fn release_shards(&mut self) {
         if self.state.held_shards == 0 {
             return;
         }
         // SAFETY: MyProcPid is set for every backend.
         let pid = unsafe { pg_sys::MyProcPid };
-        let released = self.db.transaction(|db| {
-            db.query("SELECT shard FROM outbox._claim_shards($1, 0, $2)", &[pid.into(), guc::lease_ms().into()])
-        });
-        if released.is_ok() {
-            self.state.held_shards = 0;
-            self.state.forget_kept_claim();
-        }
+        let _ = read::release_shards(&mut self.db, &mut self.state, pid, guc::lease());
     }
 
     /// Lands a round left in flight (round/src/round.rs, `tick`) before the relay pauses, changes
