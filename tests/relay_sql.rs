@@ -4,7 +4,8 @@
 //! src/log/counters.rs's `last_seqs` (through `tests.counters`), on logs of every shape a window
 //! takes: one transaction, many, one running when the cursor was taken, rolled back ones, one
 //! larger than a round, large payloads, one written into two log tables; read whole and in parts
-//! with every kind of allowance, each round resuming from the position the previous one returned.
+//! with every kind of allowance, each round resuming from the position the previous one returned;
+//! `outbox._read_windows` against one `_read_window` per shard.
 
 mod common;
 
@@ -87,6 +88,54 @@ fn same_windows(client: &mut postgres::Client, cursor: &str, upto: &str) -> (usi
         }
     }
     (events, rounds)
+}
+
+/// `outbox._read_windows` over every shard, in an order starting at `first`, against one
+/// `outbox._read_window` per shard, each given what the shards before it left of the allowance
+/// (one event and `size` bytes per event, the bytes never below 0). Returns the events read.
+fn same_multi_read(
+    client: &mut postgres::Client,
+    cursor: &str,
+    upto: &str,
+    first: i16,
+    allowance: (i32, i64),
+) -> usize {
+    let shards: Vec<i16> = (0..16).map(|n| (first + n) % 16).collect();
+    let texts = |text: &str| vec![text.to_string(); shards.len()];
+    let nulls: Vec<Option<i64>> = vec![None; shards.len()];
+    let (mut events, mut bytes) = allowance;
+    let mut taken = 0i32;
+    let mut expected = Vec::new();
+    for &shard in &shards {
+        let rows = client
+            .query(
+                "SELECT to_jsonb(r)::text FROM outbox._read_window($1, $2, $3, NULL, NULL, $4, $5, $6) r",
+                &[&shard, &cursor, &upto, &events, &bytes, &taken],
+            )
+            .unwrap();
+        for row in rows {
+            let text: String = row.get(0);
+            let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+            if json["complete"].is_null() {
+                events -= 1;
+                bytes = (bytes - json["size"].as_i64().unwrap()).max(0);
+                taken += 1;
+            }
+            expected.push((shard, text));
+        }
+    }
+    let (events, bytes) = allowance;
+    let got: Vec<(i16, String)> = client
+        .query(
+            "SELECT r.shard, (to_jsonb(r) - 'shard')::text FROM outbox._read_windows($1, $2, $3, $4, $5, $6, $7, 0) r",
+            &[&shards, &texts(cursor), &texts(upto), &nulls, &nulls, &events, &bytes],
+        )
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(got, expected, "window {cursor} .. {upto} from shard {first}, allowance {allowance:?}");
+    expected.len() - shards.len()
 }
 
 fn snapshot(client: &mut postgres::Client) -> String {
@@ -213,6 +262,18 @@ fn the_sql_window_read_takes_what_the_relay_takes() {
         eprintln!("window {cursor} .. {upto}: {events} events, {rounds} rounds read both ways, the same");
         assert!(events > 0 || cursor == &after_one, "the window {cursor} .. {upto} is not empty");
     }
+    // Several shards in one statement, each with what the ones before it left.
+    for (first, allowance) in
+        [(0, (1_000_000, i64::MAX)), (5, (7, i64::MAX)), (11, (100, 5_000)), (3, (0, 1)), (9, (40, 0))]
+    {
+        let events = same_multi_read(&mut client, &start, &upto, first, allowance);
+        assert!(events > 0 || allowance.0 == 0 || allowance.1 == 0, "{allowance:?} read nothing");
+    }
+    let error = client
+        .query("SELECT * FROM outbox._read_windows('{0,1}', '{}', '{}', '{}', '{}', 10, 1000, 0)", &[])
+        .unwrap_err();
+    assert_eq!(error.code(), Some(&postgres::error::SqlState::INVALID_PARAMETER_VALUE), "{error}");
+
     // The running transaction's events are in the window from the cursor that listed it.
     let found: i64 = client
         .query_one(

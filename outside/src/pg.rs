@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use outbox_round::db::{Database, DbError, Kind, Row, Statements, Value};
 use outbox_round::snapshot::Snapshot;
-use outbox_round::window::{Budget, Position, WindowRead};
+use outbox_round::window::{Budget, Position, WindowAsk, WindowRead};
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::{FromSql, IsNull, ToSql, Type};
 use postgres::{Client, Statement};
@@ -273,6 +273,10 @@ impl Statements for PgStatements<'_> {
         budget: &mut Budget,
     ) -> Result<WindowRead, DbError> {
         crate::reads::read_window(self, shard, cursor, upto, from, budget)
+    }
+
+    fn read_windows(&mut self, asks: &[WindowAsk], budget: &mut Budget) -> Result<Vec<WindowRead>, DbError> {
+        crate::reads::read_windows(self, asks, budget)
     }
 
     fn last_seqs(&mut self, aggregates: &[(String, String)]) -> Result<Vec<Option<i64>>, DbError> {

@@ -42,6 +42,7 @@ pub const ROUND_FUNCTIONS: &[&str] = &[
     "_repairs_running",
     "_database_created_by",
     "_read_window",
+    "_read_windows",
     "_last_seqs",
     "_join_relays",
 ];

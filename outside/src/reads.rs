@@ -1,17 +1,21 @@
 //! What the background worker reads without statements, read here with them: a shard's window
 //! (`outbox._read_window`, the SQL form of src/log/window.rs's index walk, which gives the same
-//! events in the same order: tests/relay_sql.rs), the aggregates' counters (`outbox._last_seqs`),
+//! events in the same order: tests/relay_sql.rs; `outbox._read_windows` reads several shards' in one
+//! statement), the aggregates' counters (`outbox._last_seqs`),
 //! and which installation the log belongs to. `PgStatements` (src/pg.rs) answers outbox-round's
 //! `Statements::read_window`, `last_seqs`, `installation` and `installed_version` with these.
 
-use outbox_round::db::{first, DbError, Row, Statements};
+use outbox_round::db::{first, DbError, Row, Statements, Value};
 use outbox_round::snapshot::Snapshot;
-use outbox_round::window::{Budget, LogEvent, Position, WindowRead};
+use outbox_round::window::{Budget, LogEvent, Position, WindowAsk, WindowRead};
 use outbox_sink::event::{OutboxEvent, TraceContext};
 
 const READ_WINDOW: &str = "SELECT txid, txn_max_id, id, event_id, aggregate_type, aggregate_id, event_type, payload, \
                            headers, stream, created_at, traceparent, tracestate, size, complete, position_max_id, \
                            position_last_id FROM outbox._read_window($1, $2, $3, $4, $5, $6, $7, $8)";
+const READ_WINDOWS: &str = "SELECT shard, txid, txn_max_id, id, event_id, aggregate_type, aggregate_id, event_type, \
+                            payload, headers, stream, created_at, traceparent, tracestate, size, complete, \
+                            position_max_id, position_last_id FROM outbox._read_windows($1, $2, $3, $4, $5, $6, $7, $8)";
 const LAST_SEQS: &str = "SELECT outbox._last_seqs($1, $2)";
 /// The installation's identity: the extension's OID where it was made by `CREATE EXTENSION`
 /// (pg_tle's too), else the OID of the SQL-only install's table `outbox.installation`; either
@@ -53,36 +57,84 @@ pub fn read_window(
         position: last.get::<i64>(15)?.zip(last.get::<i64>(16)?),
     };
     for row in rows {
-        let event = log_event(row)?;
+        let event = log_event(row, 0)?;
         budget.take(event.event.approximate_size());
         read.events.push(event);
     }
     Ok(read)
 }
 
-/// An event row of `outbox._read_window`, its texts moved out.
-fn log_event(mut row: Row) -> Result<LogEvent, DbError> {
-    let headers = row.take::<String>(8)?;
-    let trace = row.take::<String>(11)?.map(|traceparent| TraceContext { traceparent, tracestate: None });
-    let trace = match (trace, row.take::<String>(12)?) {
+/// A round's reads of several shards' windows (`Statements::read_windows`), in one statement:
+/// `outbox._read_windows` charges each shard's read with what the ones before it took, as
+/// `budget` is charged here.
+pub fn read_windows(
+    db: &mut dyn Statements,
+    asks: &[WindowAsk],
+    budget: &mut Budget,
+) -> Result<Vec<WindowRead>, DbError> {
+    if asks.is_empty() {
+        return Ok(Vec::new());
+    }
+    let args = [
+        asks.iter().map(|ask| ask.shard).collect::<Vec<i16>>().into(),
+        asks.iter().map(|ask| snapshot_text(&ask.cursor)).collect::<Vec<String>>().into(),
+        asks.iter().map(|ask| snapshot_text(&ask.upto)).collect::<Vec<String>>().into(),
+        Value::Int8Array(asks.iter().map(|ask| ask.from.map(|p| p.0)).collect()),
+        Value::Int8Array(asks.iter().map(|ask| ask.from.map(|p| p.1)).collect()),
+        (budget.events.min(i32::MAX as usize) as i32).into(),
+        (budget.bytes.min(i64::MAX as usize) as i64).into(),
+        (budget.taken.min(i32::MAX as usize) as i32).into(),
+    ];
+    let mut reads = Vec::with_capacity(asks.len());
+    let mut read = WindowRead::default();
+    // Each shard's events, then its last row (complete not NULL), shard by shard in order.
+    for row in db.query(READ_WINDOWS, &args)? {
+        let shard = row.get::<i16>(0)?.unwrap_or(-1);
+        if asks.get(reads.len()).map(|ask| ask.shard) != Some(shard) {
+            return Err(DbError::new(format!("outbox._read_windows returned shard {shard} out of the order asked")));
+        }
+        match row.get::<bool>(15)? {
+            Some(complete) => {
+                read.complete = complete;
+                read.position = row.get::<i64>(16)?.zip(row.get::<i64>(17)?);
+                reads.push(std::mem::take(&mut read));
+            }
+            None => {
+                let event = log_event(row, 1)?;
+                budget.take(event.event.approximate_size());
+                read.events.push(event);
+            }
+        }
+    }
+    if reads.len() != asks.len() {
+        return Err(DbError::new(format!("outbox._read_windows read {} of {} shards", reads.len(), asks.len())));
+    }
+    Ok(reads)
+}
+
+/// An event row of `outbox._read_window` (its columns from `at` on), its texts moved out.
+fn log_event(mut row: Row, at: usize) -> Result<LogEvent, DbError> {
+    let headers = row.take::<String>(at + 8)?;
+    let trace = row.take::<String>(at + 11)?.map(|traceparent| TraceContext { traceparent, tracestate: None });
+    let trace = match (trace, row.take::<String>(at + 12)?) {
         (Some(trace), tracestate) => Some(TraceContext { tracestate, ..trace }),
         (None, _) => None,
     };
     Ok(LogEvent {
-        txid: row.get::<i64>(0)?.unwrap_or_default() as u64,
-        txn_max_id: row.get::<i64>(1)?.unwrap_or_default(),
+        txid: row.get::<i64>(at)?.unwrap_or_default() as u64,
+        txn_max_id: row.get::<i64>(at + 1)?.unwrap_or_default(),
         event: OutboxEvent {
-            id: row.get::<i64>(2)?.unwrap_or_default(),
-            event_id: row.take::<String>(3)?.unwrap_or_default(),
-            aggregate_type: row.take::<String>(4)?.unwrap_or_default(),
-            aggregate_id: row.take::<String>(5)?.unwrap_or_default(),
+            id: row.get::<i64>(at + 2)?.unwrap_or_default(),
+            event_id: row.take::<String>(at + 3)?.unwrap_or_default(),
+            aggregate_type: row.take::<String>(at + 4)?.unwrap_or_default(),
+            aggregate_id: row.take::<String>(at + 5)?.unwrap_or_default(),
             aggregate_seq: 0,
-            event_type: row.take::<String>(6)?.unwrap_or_default(),
-            payload: row.take::<String>(7)?.unwrap_or_default(),
+            event_type: row.take::<String>(at + 6)?.unwrap_or_default(),
+            payload: row.take::<String>(at + 7)?.unwrap_or_default(),
             headers,
             trace,
-            stream: row.take::<String>(9)?,
-            created_at: row.take::<String>(10)?.unwrap_or_default(),
+            stream: row.take::<String>(at + 9)?,
+            created_at: row.take::<String>(at + 10)?.unwrap_or_default(),
             replay: None,
         },
     })

@@ -11,7 +11,7 @@
 use std::fmt;
 
 use crate::snapshot::Snapshot;
-use crate::window::{Budget, Position, WindowRead};
+use crate::window::{Budget, Position, WindowAsk, WindowRead};
 
 /// The type of a value, and of a NULL: SPI plans a statement with each argument's type and
 /// refuses an argument of none, and the statements resolve functions and operators by them
@@ -307,6 +307,13 @@ pub trait Statements {
         from: Option<Position>,
         budget: &mut Budget,
     ) -> Result<WindowRead, DbError>;
+
+    /// `read_window` for each of `asks` in turn, each with what the ones before it left of `budget`.
+    /// A client connection reads them all in one statement (`outbox._read_windows`): a round
+    /// trip per shard was most of a small round's time outside the server.
+    fn read_windows(&mut self, asks: &[WindowAsk], budget: &mut Budget) -> Result<Vec<WindowRead>, DbError> {
+        asks.iter().map(|ask| self.read_window(ask.shard, &ask.cursor, &ask.upto, ask.from, budget)).collect()
+    }
 
     /// Forgets what `read_window` kept of `shard`'s window (it is done, or not this relay's).
     fn forget_window(&mut self, _shard: i16) {}

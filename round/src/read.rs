@@ -13,7 +13,7 @@ use crate::readiness::{readiness, Readiness};
 use crate::snapshot::Snapshot;
 use crate::state::RoundState;
 use crate::tick_settings::{Map, Set, TickSettings};
-use crate::window::{Budget, LogEvent};
+use crate::window::{Budget, LogEvent, WindowAsk};
 use crate::SHARDS;
 
 const CLAIM: &str = "SELECT shard, cursor, cursor_age_ms, upto, held, bounded, window_max_id, window_last_id \
@@ -416,18 +416,24 @@ fn read_windows(
     batch: &mut Batch,
     state: &mut RoundState,
 ) -> Result<Vec<LogEvent>, DbError> {
-    let mut first_unread = None;
-    let mut budget = Budget::round_of(state.allowance.events());
-    let mut log = Vec::new();
-    let mut unread = 0u32;
+    let mut asks = Vec::with_capacity(claimed.len());
     for c in claimed {
         let parse = |text: &str| {
             Snapshot::parse(text).ok_or_else(|| {
                 DbError::new(format!("outbox_pg: shard {}'s cursor or snapshot {text:?} is not a pg_snapshot", c.shard))
             })
         };
-        let (cursor, upto) = (parse(&c.cursor)?, parse(&c.upto)?);
-        let read = client.read_window(c.shard, &cursor, &upto, c.position, &mut budget)?;
+        asks.push(WindowAsk { shard: c.shard, cursor: parse(&c.cursor)?, upto: parse(&c.upto)?, from: c.position });
+    }
+    let mut budget = Budget::round_of(state.allowance.events());
+    let reads = client.read_windows(&asks, &mut budget)?;
+    if reads.len() != claimed.len() {
+        return Err(DbError::new(format!("outbox_pg: {} windows read for {} shards", reads.len(), claimed.len())));
+    }
+    let mut first_unread = None;
+    let mut log = Vec::new();
+    let mut unread = 0u32;
+    for (c, read) in claimed.iter().zip(reads) {
         let outcome = AfterRead::of(
             &ShardClaim {
                 bounded: c.bounded,

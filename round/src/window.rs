@@ -5,6 +5,8 @@
 
 use outbox_sink::event::OutboxEvent;
 
+use crate::snapshot::Snapshot;
+
 /// Most events one round takes from the log, over all the shards it reads.
 pub const ROUND_EVENTS: usize = 10_000;
 /// About how many bytes of events one round takes from the log (at least one event, however large).
@@ -37,6 +39,16 @@ pub struct WindowRead {
     pub complete: bool,
     /// Where the window stands after these events, when they do not finish it.
     pub position: Option<Position>,
+}
+
+/// One shard's read as a round asks for it: the window between `cursor` and `upto`, from `from` on
+/// (a window published in parts).
+#[derive(Debug, Clone)]
+pub struct WindowAsk {
+    pub shard: i16,
+    pub cursor: Snapshot,
+    pub upto: Snapshot,
+    pub from: Option<Position>,
 }
 
 /// A place in a window's publish order: (a transaction's largest id, an id of that transaction).

@@ -368,6 +368,73 @@ COMMENT ON FUNCTION outbox._read_window(smallint, text, text, bigint, bigint, in
 REVOKE ALL ON FUNCTION outbox._read_window(smallint, text, text, bigint, bigint, integer, bigint, integer) FROM PUBLIC;
 
 -- -------------------------------------------------------------------------------------------------
+-- outbox._read_windows(shards, cursors, uptos, window_max_ids, window_last_ids, max_events,
+--                      max_bytes, taken)
+--
+--     A round's reads of several shards' windows in one statement: outbox._read_window for each
+--     shard in the order given, each with the allowance the shards before it left, charged as the
+--     caller charges it (one event and `size` bytes per event, the bytes never below 0). A shard
+--     reached with the allowance spent reads nothing (its last row: not complete, the position
+--     given). One statement rather than one per shard: the outside relay's round trips were most
+--     of a small round's time (docs/outside-relay.md, "One statement for the windows").
+--
+-- Parameters:
+--     shards, cursors, uptos, window_max_ids, window_last_ids
+--                                    element n: shard n's arguments of outbox._read_window
+--     max_events, max_bytes, taken   the round's allowance, as for outbox._read_window
+-- Returns, shard by shard in the order given: the shard, then the columns of
+--     outbox._read_window: its events, then its last row (complete NOT NULL)
+-- Called by: the outside relay's round (outbox-relay); tests/relay_sql.rs
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._read_windows(shards smallint[], cursors text[], uptos text[], window_max_ids bigint[],
+                                     window_last_ids bigint[], max_events integer, max_bytes bigint, taken integer)
+RETURNS TABLE (shard smallint, txid bigint, txn_max_id bigint, id bigint, event_id text, aggregate_type text,
+               aggregate_id text, event_type text, payload text, headers text, stream text,
+               created_at text, traceparent text, tracestate text, size bigint,
+               complete boolean, position_max_id bigint, position_last_id bigint)
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $fn$
+#variable_conflict use_variable
+DECLARE
+    left_events integer := max_events;
+    left_bytes  bigint := max_bytes;
+    took        integer := taken;
+    w           record;
+BEGIN
+    IF cardinality(cursors) <> cardinality(shards) OR cardinality(uptos) <> cardinality(shards)
+       OR cardinality(window_max_ids) <> cardinality(shards) OR cardinality(window_last_ids) <> cardinality(shards) THEN
+        RAISE EXCEPTION 'outbox._read_windows: % shards but % cursors, % uptos, % window_max_ids, % window_last_ids',
+                cardinality(shards), cardinality(cursors), cardinality(uptos), cardinality(window_max_ids),
+                cardinality(window_last_ids)
+            USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass one element of each array per shard.';
+    END IF;
+    FOR n IN 1 .. cardinality(shards) LOOP
+        shard := shards[n];
+        FOR w IN SELECT * FROM outbox._read_window(shards[n], cursors[n], uptos[n], window_max_ids[n],
+                                                   window_last_ids[n], left_events, left_bytes, took) LOOP
+            txid := w.txid; txn_max_id := w.txn_max_id; id := w.id; event_id := w.event_id;
+            aggregate_type := w.aggregate_type; aggregate_id := w.aggregate_id; event_type := w.event_type;
+            payload := w.payload; headers := w.headers; stream := w.stream; created_at := w.created_at;
+            traceparent := w.traceparent; tracestate := w.tracestate; size := w.size;
+            complete := w.complete; position_max_id := w.position_max_id; position_last_id := w.position_last_id;
+            IF w.complete IS NULL THEN
+                left_events := left_events - 1;
+                left_bytes := greatest(left_bytes - w.size, 0);
+                took := took + 1;
+            END IF;
+            RETURN NEXT;
+        END LOOP;
+    END LOOP;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._read_windows(smallint[], text[], text[], bigint[], bigint[], integer, bigint, integer) IS
+    'Relay internal: outbox._read_window for several shards in one statement, each with the allowance the ones before it left';
+
+REVOKE ALL ON FUNCTION outbox._read_windows(smallint[], text[], text[], bigint[], bigint[], integer, bigint, integer) FROM PUBLIC;
+
+-- -------------------------------------------------------------------------------------------------
 -- outbox._last_seqs(aggregate_types, aggregate_ids)
 --
 --     The last aggregate_seq of each of these aggregates, NULL for one without a counter (the
