@@ -20,6 +20,8 @@ use postgres::fallible_iterator::FallibleIterator;
 use postgres::types::{FromSql, IsNull, ToSql, Type};
 use postgres::{Client, Statement};
 
+use crate::tls::RustlsConnect;
+
 /// The application_name the relay's connections carry (pg_stat_activity shows it).
 pub const APPLICATION_NAME: &str = "outbox-relay";
 
@@ -68,8 +70,32 @@ impl PgDatabase {
     /// TLS as libpq's `sslmode` says (src/tls.rs): `prefer` unless the URL or `PGSSLMODE` says
     /// otherwise.
     pub fn connect(url: &str, options: &ConnectOptions) -> Result<PgDatabase, DbError> {
+        let (config, connector) = PgDatabase::prepare(url, options)?;
+        let mut client = config.connect(connector).map_err(db_error)?;
+        let who = client
+            .query_one(
+                "SELECT pg_backend_pid(), current_user::text, current_database()::text, pg_is_in_recovery()",
+                &[],
+            )
+            .map_err(db_error)?;
+        let (backend_pid, role, database) = (who.get(0), who.get(1), who.get(2));
+        let standby: bool = who.get(3);
+        let mut db =
+            PgDatabase { client, prepared: HashMap::new(), listening: Vec::new(), backend_pid, role, database };
+        // A standby refuses LISTEN (and is never published from: src/readiness.rs); once promoted,
+        // the relay listens when it finds the schema ready, before its last look.
+        if !standby {
+            db.listen(DEFAULT_WAKE_CHANNEL)?;
+        }
+        Ok(db)
+    }
+
+    /// What `connect` connects with, from the connection string and the PG* environment: an error
+    /// here (a mistyped option, an sslmode libpq does not know, a certificate file that cannot be
+    /// read) is one of the settings, which no retry mends; the process refuses it at start.
+    pub fn prepare(url: &str, options: &ConnectOptions) -> Result<(postgres::Config, RustlsConnect), DbError> {
         let (url, tls) = crate::tls::split(url, |name| std::env::var(name).ok()).map_err(DbError::new)?;
-        let mut config: postgres::Config = url.parse().map_err(|e: postgres::Error| DbError::new(e.to_string()))?;
+        let mut config: postgres::Config = url.parse().map_err(db_error)?;
         // As libpq: sslmode is for TCP; over a Unix socket the server offers no TLS at all.
         let tcp = config.get_hosts().iter().any(|host| matches!(host, postgres::config::Host::Tcp(_)))
             || !config.get_hostaddrs().is_empty();
@@ -94,23 +120,7 @@ impl PgDatabase {
             crate::log::hide(&String::from_utf8_lossy(password));
         }
         let connector = tls.connector().map_err(DbError::new)?;
-        let mut client = config.connect(connector).map_err(db_error)?;
-        let who = client
-            .query_one(
-                "SELECT pg_backend_pid(), current_user::text, current_database()::text, pg_is_in_recovery()",
-                &[],
-            )
-            .map_err(db_error)?;
-        let (backend_pid, role, database) = (who.get(0), who.get(1), who.get(2));
-        let standby: bool = who.get(3);
-        let mut db =
-            PgDatabase { client, prepared: HashMap::new(), listening: Vec::new(), backend_pid, role, database };
-        // A standby refuses LISTEN (and is never published from: src/readiness.rs); once promoted,
-        // the relay listens when it finds the schema ready, before its last look.
-        if !standby {
-            db.listen(DEFAULT_WAKE_CHANNEL)?;
-        }
-        Ok(db)
+        Ok((config, connector))
     }
 
     /// The pid of the relay's backend: its identity in `outbox.shards.claimed_by`.

@@ -41,6 +41,10 @@ pub fn main() -> i32 {
     if let Some(password) = &config.redis_password {
         log::hide(&password.0);
     }
+    if let Err(error) = PgDatabase::prepare(&config.database_url, &ConnectOptions::default()) {
+        eprintln!("outbox-relay: --database-url cannot be used: {}", log::scrub(&error.to_string()));
+        return 2;
+    }
     // The round's own lines (outbox-round) go through this process's log, which hides secrets.
     outbox_round::hooks::install(outbox_round::hooks::Hooks {
         log: log::info,

@@ -99,6 +99,25 @@ fn a_bad_setting_exits_2_naming_it() {
 }
 
 #[test]
+fn connection_parameters_no_retry_can_mend_exit_2_at_start() {
+    for (url, says) in [
+        ("postgresql://app:hunter2@127.0.0.1:5432/app?sslmode=bogus", "invalid sslmode \"bogus\""),
+        ("postgresql://app:hunter2@127.0.0.1:5432/app?colour=blue", "unknown option `colour`"),
+        ("postgresql://app:hunter2@127.0.0.1:99999/app", "invalid value for option `port`"),
+        (
+            "host=127.0.0.1 password=hunter2 sslmode=verify-full sslrootcert=/nonexistent/root.crt",
+            "/nonexistent/root.crt",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_outbox-relay")).args(["--database-url", url]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{url}: {stderr}");
+        assert!(stderr.starts_with("outbox-relay: --database-url cannot be used: "), "{url}: {stderr}");
+        assert!(stderr.contains(says) && !stderr.contains("hunter2"), "{url}: {stderr}");
+    }
+}
+
+#[test]
 fn an_unreachable_database_is_retried_and_sigterm_still_stops_it() {
     let port = outbox_testkit::free_port();
     let url = format!("postgresql://{OWNER}:{PASSWORD}@127.0.0.1:{port}/{DATABASE}");
