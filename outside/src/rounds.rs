@@ -157,8 +157,9 @@ pub enum Outcome {
     NotReady(Readiness),
     /// The round ran. `more`: work is waiting (run the next round at once); `wake`: the channel of
     /// the SQL-only install's commit wake-up, None where there is none (the extension's install);
-    /// `retry_in`: a failure's backoff, the longest to wait before the next turn.
-    Ran { more: bool, wake: Option<String>, retry_in: Option<Duration> },
+    /// `retry_in`: a failure's backoff, the longest to wait before the next turn; `claimed`: the
+    /// live events the round took (what the pause after it grows with).
+    Ran { more: bool, wake: Option<String>, retry_in: Option<Duration>, claimed: usize },
 }
 
 /// Runs one turn on `db`. An `Err` is a failure of the database (a statement, a lost connection:
@@ -202,7 +203,7 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
     if let Some(retry_at) = relay.retry_at {
         let left = retry_at.saturating_duration_since(Instant::now());
         if !left.is_zero() {
-            return Ok(Outcome::Ran { more: false, wake, retry_in: Some(left) });
+            return Ok(Outcome::Ran { more: false, wake, retry_in: Some(left), claimed: 0 });
         }
         relay.retry_at = None;
     }
@@ -224,7 +225,7 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
             relay.replays_running = true;
             let more = relay.retry_at.is_none() && replay_turn(db, relay, &settings, false);
             let retry_in = if more { None } else { Some(REPAIR_WAIT) };
-            return Ok(Outcome::Ran { more, wake, retry_in });
+            return Ok(Outcome::Ran { more, wake, retry_in, claimed: 0 });
         }
         relay.repairing = false;
     }
@@ -256,7 +257,7 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
         // The sink stopped the round before writing because its check found losses, recorded just
         // now: not a failure of Redis (no backoff); the repair comes next.
         relay.full_read_at = Instant::now();
-        return Ok(Outcome::Ran { more: true, wake, retry_in: None });
+        return Ok(Outcome::Ran { more: true, wake, retry_in: None, claimed: 0 });
     }
     match &outcome {
         TickOutcome::Worked { in_flight: true, .. } => {}
@@ -268,11 +269,15 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
         _ => {}
     }
     let checking = matches!(outcome, TickOutcome::Idle) && relay.sink.check_between_rounds();
+    let claimed = match outcome {
+        TickOutcome::Worked { claimed, .. } => claimed,
+        _ => 0,
+    };
     let (mut more, retry_in) = judge(relay, outcome, &settings)?;
     if relay.replays_running && relay.flight.is_none() && relay.retry_at.is_none() {
         more |= replay_turn(db, relay, &settings, more);
     }
-    Ok(Outcome::Ran { more: more || checking, wake, retry_in })
+    Ok(Outcome::Ran { more: more || checking, wake, retry_in, claimed })
 }
 
 /// What the round's outcome means: whether more waits, and a failure's backoff (logged once per

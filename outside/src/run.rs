@@ -2,14 +2,15 @@
 //! stop flag looked at between rounds and during waits: the round in flight finishes, the process
 //! exits 0), connecting with backoff (100 ms doubling to 10 s, with jitter) and again when the
 //! connection is lost (listening again), and the loop: a round, then at once another if work is
-//! waiting, else the commit wake-up's handshake and a wait for a notification or the poll
-//! interval, whichever comes first.
+//! waiting, else the pause after a busy round, the commit wake-up's handshake and a wait for a
+//! notification or the poll interval, whichever comes first.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_round::coalesce::coalesce_window;
 use outbox_round::db::DbError;
 
 use crate::config::{self, Command, Config};
@@ -133,16 +134,18 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
     let mut last_round: Option<Instant> = None;
     let mut woken = Woken::Timeout;
     let mut writer_pause = wake::WRITER_IN_FLIGHT_PAUSE;
+    // The last notification's round found nothing to publish.
+    let mut empty_notification = false;
     while !stop.load(Ordering::Relaxed) {
-        if woken == Woken::Notified {
-            // The linger (outbox.linger): under steady commits, a round waits a little to gather
-            // the commits that follow, as the worker's does; never less than the floor a flood of
-            // notifications is held to.
-            let gap = relay.config.linger.max(wake::MIN_WAKE_GAP);
-            if let Some(gap) = last_round.and_then(|at| gap.checked_sub(at.elapsed())) {
+        if woken == Woken::Notified && empty_notification {
+            // Any role may notify the channel: a notification is only a hint. After one that
+            // found nothing, the next waits for the floor, so that a flood of them is no busy
+            // loop; a commit's notification, which finds its events, waits for nothing.
+            if let Some(gap) = last_round.and_then(|at| wake::MIN_WAKE_GAP.checked_sub(at.elapsed())) {
                 wake::pause(gap, stop);
             }
         }
+        let notified = woken == Woken::Notified;
         if woken == Woken::WriterInFlight {
             wake::pause(writer_pause, stop);
             writer_pause = (writer_pause * 2).min(wake::WRITER_IN_FLIGHT_PAUSE_MAX);
@@ -152,8 +155,9 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
         last_round = Some(Instant::now());
         let step = step(db, relay, stop, poll_interval, &mut state);
         woken = match step {
-            Ok(woken) => {
+            Ok((woken, claimed)) => {
                 errors.clear();
+                empty_notification = notified && claimed == 0;
                 woken
             }
             Err(_) if db.is_closed() => return,
@@ -170,23 +174,24 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
 }
 
 /// One round and what follows it: at once another if work is waiting, the readiness line and a
-/// wait if the database cannot be relayed, else the wake-up's handshake and the wait.
+/// wait if the database cannot be relayed, else the pause after a busy round (`outbox.linger`),
+/// the wake-up's handshake and the wait. Also how many events the round took.
 fn step(
     db: &mut PgDatabase,
     relay: &mut Relay,
     stop: &AtomicBool,
     poll_interval: Duration,
     state: &mut OncePerChange,
-) -> Result<Woken, DbError> {
+) -> Result<(Woken, usize), DbError> {
     // Read what arrived while working: unread notifications hold the server's queue.
     db.drain_notifications()?;
     match rounds::round(db, relay)? {
         Outcome::NotReady(readiness) => {
             let line = readiness.message(db.database(), db.role()).unwrap_or_default();
             state.log(Level::Warning, &line);
-            wake::sleep(db, poll_interval, stop)
+            Ok((wake::sleep(db, poll_interval, stop)?, 0))
         }
-        Outcome::Ran { more, wake, retry_in } => {
+        Outcome::Ran { more, wake, retry_in, claimed } => {
             if let Some(channel) = &wake {
                 db.listen(channel)?;
             }
@@ -204,16 +209,22 @@ fn step(
                 ),
             );
             if more {
-                return Ok(Woken::MoreWork);
+                return Ok((Woken::MoreWork, claimed));
             }
             if let Some(retry_in) = retry_in {
                 // A failure's backoff: a commit's notification does not cut it short.
                 wake::pause(retry_in, stop);
-                return Ok(Woken::Timeout);
+                return Ok((Woken::Timeout, claimed));
             }
-            wake::idle(db, wake.is_some(), poll_interval, stop, |db| {
+            if claimed > 0 {
+                // Under steady commits, the next round gathers those that follow, as the worker's
+                // does: half a millisecond after a round of one or two events, up to the linger.
+                wake::pause(coalesce_window(claimed, relay.config.linger), stop);
+            }
+            let woken = wake::idle(db, wake.is_some(), poll_interval, stop, |db| {
                 Ok(matches!(rounds::round(db, relay)?, Outcome::Ran { more: true, .. }))
-            })
+            })?;
+            Ok((woken, claimed))
         }
     }
 }

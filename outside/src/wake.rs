@@ -22,8 +22,9 @@ use crate::pg::PgDatabase;
 pub const WRITER_IN_FLIGHT_PAUSE: Duration = Duration::from_millis(2);
 pub const WRITER_IN_FLIGHT_PAUSE_MAX: Duration = Duration::from_millis(20);
 
-/// The least time between two rounds started by notifications: any role may `pg_notify` the
-/// channel, so a notification is only a hint, and a flood of them must not become a busy loop.
+/// After a notification whose round found nothing, the least time before the next notified
+/// round: any role may `pg_notify` the channel, so a notification is only a hint, and a flood of
+/// them must not become a busy loop (src/run.rs).
 pub const MIN_WAKE_GAP: Duration = Duration::from_millis(5);
 
 /// The longest the relay waits without looking at its stop flag.

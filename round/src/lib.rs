@@ -11,9 +11,10 @@
 //! - `tick_settings`: what every step of a round is given (a leaf they all share).
 //! - `replay`: replay rounds between live ones; `losses`: noticing and recording lost entries.
 //! - `housekeeping`: the reaper, the age check, recorded snapshots, retention.
-//! - `backoff`: capped exponential backoff; `time`: timestamps as the relays write them.
+//! - `backoff`: capped exponential backoff; `coalesce`: the pause after a busy round; `time`: timestamps as the relays write them.
 
 pub mod backoff;
+pub mod coalesce;
 pub mod db;
 pub mod hooks;
 pub mod housekeeping;

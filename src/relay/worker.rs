@@ -45,25 +45,6 @@ const REPLAY_EVERY: Duration = Duration::from_millis(20);
 /// A live round that published something this recently means live traffic flows: replay rounds
 /// are short (`replay::Limits::LIVE`) and take at most half of the relay's time.
 const LIVE_RECENTLY: Duration = Duration::from_secs(1);
-/// After a round that published a partial batch, events are arriving one commit at a time: the
-/// relay pauses before the next claim so that a round carries several of them. Each round costs
-/// two short transactions and a Redis round trip whatever its size (about 0.3 to 1 ms of CPU when
-/// it carries a few dozen events of new aggregates), so under a steady stream of small commits
-/// one round per commit would take a good part of a core from the application. The pause grows
-/// with the last round's size, COALESCE_PER_EVENT per event, from COALESCE_MIN up to
-/// `outbox.linger`: at 1,000 events/s rounds carry one or two events and the pause stays at half a
-/// millisecond; at a producer's ceiling it reaches `outbox.linger` and the relay runs a few hundred
-/// rounds a second instead of thousands. An idle relay is woken at once by the first commit; only
-/// the rounds that follow a busy one wait. Why the default is what it is, measured at the
-/// producers' ceiling: docs/worker.md, "Coalescing".
-const COALESCE_MIN: Duration = Duration::from_micros(500);
-const COALESCE_PER_EVENT: Duration = Duration::from_micros(250);
-
-/// The pause after a round that published `events` and drained its window, `linger` at most.
-fn coalesce_window(events: usize, linger: Duration) -> Duration {
-    COALESCE_PER_EVENT.saturating_mul(events.min(u32::MAX as usize) as u32).clamp(COALESCE_MIN.min(linger), linger)
-}
-
 struct Relay {
     /// Which of the `outbox.workers` relays this is.
     slot: usize,
@@ -538,7 +519,7 @@ impl Relay {
                     // off on their own). Commits made during this round have set the latch, so
                     // the wait returns at once if there is new work.
                     if claimed > 0 {
-                        std::thread::sleep(coalesce_window(claimed, guc::linger()));
+                        std::thread::sleep(outbox_round::coalesce::coalesce_window(claimed, guc::linger()));
                     }
                     Some(poll.min(until_housekeeping))
                 }
@@ -880,26 +861,4 @@ unsafe extern "C-unwind" fn forget_relay(_code: i32, slot: pg_sys::Datum) {
     // Its unsettled events are pending: the others may claim them at once.
     in_flight::clear(slot.value());
     shared::unregister_relay(slot.value());
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{coalesce_window, COALESCE_MIN};
-    use std::time::Duration;
-
-    #[test]
-    fn the_pause_between_rounds_grows_with_their_size_within_bounds() {
-        let linger = Duration::from_millis(10);
-        assert_eq!(coalesce_window(1, linger), COALESCE_MIN);
-        assert_eq!(coalesce_window(2, linger), COALESCE_MIN);
-        assert_eq!(coalesce_window(6, linger), Duration::from_micros(1500));
-        assert_eq!(coalesce_window(1000, linger), linger);
-        assert_eq!(coalesce_window(usize::MAX, linger), linger);
-    }
-
-    #[test]
-    fn a_linger_below_the_smallest_pause_is_the_pause() {
-        assert_eq!(coalesce_window(1, Duration::from_micros(200)), Duration::from_micros(200));
-        assert_eq!(coalesce_window(1000, Duration::ZERO), Duration::ZERO);
-    }
 }
