@@ -372,14 +372,20 @@ fn define_stream_settings() {
             None,
         );
     }
-    GucRegistry::define_string_guc(
-        c"outbox.stream",
-        c"Stream key template for events enqueued without a stream.",
-        c"{aggregate_type} and {event_type} are replaced by the event's values.",
-        &STREAM_TEMPLATE,
-        GucContext::Suset,
-        GucFlags::empty(),
-    );
+    // SAFETY: `check_stream_template` is a `#[pg_guard]`ed check hook that only reads the value.
+    unsafe {
+        GucRegistry::define_string_guc_with_hooks(
+            c"outbox.stream",
+            c"Stream key template for events enqueued without a stream.",
+            c"{aggregate_type} and {event_type} are replaced by the event's values.",
+            &STREAM_TEMPLATE,
+            GucContext::Suset,
+            GucFlags::empty(),
+            Some(check_stream_template),
+            None,
+            None,
+        );
+    }
     GucRegistry::define_int_guc(
         c"outbox.stream_maxlen",
         c"Stream length each XADD trims to (MAXLEN ~; exact with outbox.stream_trim = acked); 0 never trims.",
@@ -874,6 +880,18 @@ unsafe extern "C-unwind" fn check_allowed_streams(
 ) -> bool {
     // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
     unsafe { check_string(newval, outbox_sink::streams::validate, None) }
+}
+
+/// Refuses a blank or overlong `outbox.stream`.
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn check_stream_template(
+    newval: *mut *mut c_char,
+    _extra: *mut *mut std::ffi::c_void,
+    _source: pg_sys::GucSource::Type,
+) -> bool {
+    let hint = "Use a Redis key of 1 to 512 bytes, such as 'outbox:{aggregate_type}'.";
+    // SAFETY: PostgreSQL passes a check hook a valid pointer to the proposed value.
+    unsafe { check_string(newval, outbox_sink::entry::check_stream_template, Some(hint)) }
 }
 
 /// Refuses an `outbox.cloudevents_source` that is not a URI reference or names an unknown

@@ -137,7 +137,7 @@ const SPECS: &[Spec] = &[
     },
     Spec {
         name: "stream",
-        kind: Type::Str(None),
+        kind: Type::Str(Some(outbox_sink::entry::check_stream_template)),
         default: "outbox:{aggregate_type}",
         help: "Stream key template for events enqueued without a stream.",
     },
@@ -793,6 +793,11 @@ mod tests {
         );
         let error = config(&["--database-url", "host=x", "--ordering", "random"], &[]).unwrap_err();
         assert!(error.contains("ordering") && error.contains("aggregate, none"), "{error}");
+        let error = config(&["--database-url", "host=x", "--stream", " "], &[]).unwrap_err();
+        assert!(
+            error.starts_with("invalid value for stream: \" \" (from the flag --stream): \" \" is blank"),
+            "{error}"
+        );
         let error = config(&["--database-url", "host=x", "--cloudevents-source", "/{nope}"], &[]).unwrap_err();
         assert!(error.starts_with("invalid value for cloudevents_source"), "{error}");
         assert!(config(&["--database-url", "host=x", "--no-such", "1"], &[])

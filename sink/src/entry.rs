@@ -245,6 +245,20 @@ fn check_uri_reference(text: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Refuses a stream template (`outbox.stream`) no stream can be made of: blank (every event enqueued
+/// without a stream would go to one blank key), or longer than the 512 bytes `outbox_enqueue`
+/// allows a stream. Braces other than the placeholders stay allowed: `{...}` is a Redis Cluster
+/// hash tag.
+pub fn check_stream_template(template: &str) -> Result<(), String> {
+    if template.trim().is_empty() {
+        return Err(format!("{template:?} is blank: every event enqueued without a stream would go to that one key"));
+    }
+    if template.len() > 512 {
+        return Err(format!("it is {} bytes long, and a stream key may be at most 512", template.len()));
+    }
+    Ok(())
+}
+
 /// Substitutes `{aggregate_type}` and `{event_type}` in `template`, in one pass, so that a value
 /// that itself contains a placeholder is inserted verbatim and never expanded again. Any other
 /// text, braces included, is kept as written.
@@ -787,5 +801,16 @@ mod tests {
                 None => proptest::prop_assert_eq!(key, format!("s:{aggregate_type}")),
             }
         }
+    }
+
+    #[test]
+    fn a_blank_or_overlong_stream_template_is_refused_and_hash_tags_are_kept() {
+        for good in ["outbox:{aggregate_type}", "{payments}:{event_type}", "x"] {
+            assert_eq!(check_stream_template(good), Ok(()), "{good}");
+        }
+        for bad in ["", "  ", "\t"] {
+            assert!(check_stream_template(bad).unwrap_err().contains("is blank"), "{bad:?}");
+        }
+        assert!(check_stream_template(&"s".repeat(513)).unwrap_err().contains("513 bytes"));
     }
 }

@@ -299,6 +299,16 @@ fn the_entry_format_settings_refuse_what_they_cannot_write() {
     }
 }
 
+#[pg_test]
+fn a_blank_or_overlong_stream_template_is_refused() {
+    Spi::run("SET LOCAL outbox.stream = '{tenant}:{aggregate_type}'").unwrap();
+    for (template, says) in [("", "\"\" is blank"), ("  ", "is blank"), (&"s".repeat(513), "513 bytes long")] {
+        let (code, message) = error_of(&format!("SET LOCAL outbox.stream = '{template}'"));
+        assert_eq!(code, "ERRCODE_INVALID_PARAMETER_VALUE", "{message}");
+        assert!(message.contains(says) && message.contains("hint: Use a Redis key of 1 to 512 bytes"), "{message}");
+    }
+}
+
 /// outbox.max_databases sizes the entries' shared memory at server start: what
 /// pg_shmem_allocations shows is exactly `ENTRY_BYTES` per entry.
 #[pg_test]
