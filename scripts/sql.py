@@ -17,10 +17,11 @@
   something inside CREATE EXTENSION (`pg_extension_config_dump`) is left out of the plain script.
   `--pg-tle`: the same SQL as the body of a `pgtle.install_extension` call (which keeps the
   `pg_extension_config_dump` statements: pg_tle runs the body as CREATE EXTENSION does).
+  `--uninstall`: the plain install's removal (its functions in schema public, then the schema).
 
 Statements are split the way PostgreSQL's lexer splits them (comments, quoted strings and
 identifiers, dollar quotes); each keeps the comment lines right above it.
-Usage: python3 scripts/sql.py upgrade FROM TO | check | write | sql-only [--pg-tle]
+Usage: python3 scripts/sql.py upgrade FROM TO | check | write | sql-only [--pg-tle | --uninstall]
 """
 
 import os
@@ -275,7 +276,7 @@ def sql_only_body(pg_tle=False):
             parts.append(f"\n-- {os.path.relpath(path, ROOT)}")
             last = path
         parts.append(st.strip("\n") + "\n")
-    body = "\n".join(parts).replace("@extschema@", SQL_ONLY_SCHEMA).lstrip("\n")
+    body = (leftover_guard() + "\n".join(parts)).replace("@extschema@", SQL_ONLY_SCHEMA)
     # outbox._version() (src/sql/sql_only/library.sql): what outside relays check the schema
     # against, where no pg_extension row records it.
     return body.replace("@OUTBOX_VERSION@", version())
@@ -308,6 +309,69 @@ def sql_only(pg_tle):
     return "\n".join(head) + "\n\\set ON_ERROR_STOP on\nBEGIN;\n" + setup + "\n" + body + "\nCOMMIT;\n"
 
 
+def public_functions():
+    """The names of the functions the SQL-only install makes outside the schema outbox (in
+    SQL_ONLY_SCHEMA: outbox_enqueue, outbox_mark_processed), which DROP SCHEMA outbox leaves."""
+    names = set()
+    for _, st in sql_only_statements(False):
+        match = FUNCTION_NAME.match(strip_comments(st))
+        if match and match.group(1).startswith("@extschema@."):
+            names.add(match.group(1).split(".", 1)[1])
+    return sorted(names)
+
+
+def sql_array(names):
+    return "ARRAY[" + ", ".join(f"'{name}'" for name in names) + "]"
+
+
+def leftover_guard():
+    """Refuses to install over the functions an earlier install left in SQL_ONLY_SCHEMA (after a
+    DROP SCHEMA outbox CASCADE), naming the removal script, instead of failing on the first one."""
+    return f"""-- Made by scripts/sql.py: an earlier install's functions outside the schema outbox.
+DO $leftover$
+DECLARE
+    found text;
+BEGIN
+    SELECT pg_catalog.string_agg(p.oid::regprocedure::text, ', ') INTO found
+      FROM pg_catalog.pg_proc p
+     WHERE p.pronamespace = '{SQL_ONLY_SCHEMA}'::regnamespace AND p.proname = ANY ({sql_array(public_functions())});
+    -- With the schema there, the install is whole: schema.sql's guard says so.
+    IF found IS NOT NULL AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = 'outbox') THEN
+        RAISE EXCEPTION 'outbox_pg: functions an earlier install left are in the way: %', found
+            USING ERRCODE = 'duplicate_function',
+                  DETAIL = 'DROP SCHEMA outbox CASCADE removes the schema but not the functions the install made in schema {SQL_ONLY_SCHEMA}.',
+                  HINT = 'Remove the earlier install with the script `bash scripts/sql-only.sh --uninstall` prints, then install again.';
+    END IF;
+END
+$leftover$;
+"""
+
+
+def uninstall():
+    """The SQL-only install's removal: its functions in SQL_ONLY_SCHEMA (every overload), then the
+    schema outbox with everything in it, in one transaction. The roles stay: they are cluster-wide
+    and may serve other databases' installs."""
+    return f"""-- outbox_pg {version()}, removal of the SQL-only install, made by `bash scripts/sql-only.sh --uninstall`.
+-- Run it as the database owner: psql -d DATABASE -f uninstall.sql. It drops every event, every
+-- counter and the failure path with the schema outbox; the roles outbox_writer, outbox_consumer
+-- and outbox_admin stay (other databases may use them: DROP ROLE them when none does).
+\\set ON_ERROR_STOP on
+BEGIN;
+DO $uninstall$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
+              WHERE p.pronamespace = '{SQL_ONLY_SCHEMA}'::regnamespace AND p.proname = ANY ({sql_array(public_functions())}) LOOP
+        EXECUTE pg_catalog.format('DROP FUNCTION %s', f);
+    END LOOP;
+END
+$uninstall$;
+DROP SCHEMA IF EXISTS outbox CASCADE;
+COMMIT;
+"""
+
+
 def main(args):
     if args[:1] == ["upgrade"] and len(args) == 3:
         sys.stdout.write(upgrade(args[1], args[2]))
@@ -325,6 +389,8 @@ def main(args):
                          "of src/sql/ and its hand-written part: run it and commit the result")
     elif args[:1] == ["sql-only"] and args[1:] in ([], ["--pg-tle"]):
         sys.stdout.write(sql_only(args[1:] == ["--pg-tle"]))
+    elif args == ["sql-only", "--uninstall"]:
+        sys.stdout.write(uninstall())
     else:
         sys.exit(__doc__.strip().split("\n")[-1])
 

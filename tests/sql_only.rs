@@ -486,6 +486,58 @@ fn the_install_makes_the_objects_the_extension_makes() {
     );
 }
 
+/// Runs `script` (a file in `dir`) in `database` as `role` with `psql -f`; its output and whether
+/// it succeeded.
+fn psql_file(pg: &Cluster, dir: &Path, name: &str, script: &str, role: &str) -> (bool, String) {
+    let path = dir.join(name);
+    fs::write(&path, script).unwrap();
+    let mut psql = pg_command("psql");
+    psql.args(["-X", "-q", "-h", "127.0.0.1", "-p", &pg.port.to_string(), "-U", role, "-d", DATABASE, "-f"]).arg(&path);
+    let out = psql.output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+const LEFT_OVER: &str =
+    "SELECT count(*) FROM pg_proc WHERE pronamespace = 'public'::regnamespace AND proname LIKE 'outbox%'";
+
+#[test]
+fn a_dropped_schema_is_named_at_reinstall_and_the_uninstall_script_clears_the_way() {
+    let only = SqlOnly::start();
+    let dir = only.files.path();
+    let mut owner = connect_as(&only.pg, DATABASE, OWNER);
+    owner.batch_execute("DROP SCHEMA outbox CASCADE").unwrap();
+    let left: i64 = owner.query_one(LEFT_OVER, &[]).unwrap().get(0);
+    assert_eq!(left, 4, "outbox_enqueue (three) and outbox_mark_processed stay in public");
+    let (ok, out) = psql_file(&only.pg, dir, "again.sql", &sql_only_script(&[]), OWNER);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("functions an earlier install left are in the way: outbox_enqueue(")
+            && out.contains("bash scripts/sql-only.sh --uninstall"),
+        "{out}"
+    );
+    let uninstall = sql_only_script(&["--uninstall"]);
+    let (ok, out) = psql_file(&only.pg, dir, "uninstall.sql", &uninstall, OWNER);
+    assert!(ok && !out.contains("ERROR"), "{out}");
+    install_with_psql(&only.pg, dir, DATABASE, OWNER);
+    let mut writer = connect_as(&only.pg, DATABASE, WRITER);
+    writer.batch_execute("SELECT outbox_enqueue('payment', 1, 'created', '{}')").unwrap();
+    // And from a whole install: nothing of it stays but the roles.
+    let (ok, out) = psql_file(&only.pg, dir, "uninstall.sql", &uninstall, OWNER);
+    assert!(ok && !out.contains("ERROR"), "{out}");
+    let left: i64 = owner.query_one(LEFT_OVER, &[]).unwrap().get(0);
+    let schema: bool =
+        owner.query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'outbox')", &[]).unwrap().get(0);
+    assert_eq!((left, schema), (0, false));
+    let roles: i64 = owner
+        .query_one(
+            "SELECT count(*) FROM pg_roles WHERE rolname IN ('outbox_writer', 'outbox_consumer', 'outbox_admin')",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(roles, 3, "the roles stay");
+}
+
 /// The pg_tle body between its dollar quotes.
 fn pg_tle_body(script: &str) -> &str {
     let tag = "$_outbox_pg_tle_$";
