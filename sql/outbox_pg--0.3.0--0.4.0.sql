@@ -347,6 +347,9 @@ SET jit = off
 -- Index scans of (shard, txid, id), whatever the statistics say: never a sequential scan of the log.
 SET enable_seqscan = off
 SET enable_bitmapscan = off
+-- Its statements planned once per session: with custom plans, replanned at every call, sixteen
+-- empty windows took 10 ms, against 1.2 ms (the plans are index probes whatever the values).
+SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_variable
 DECLARE
@@ -625,12 +628,18 @@ RETURNS TABLE (shard smallint, txid bigint, txn_max_id bigint, id bigint, event_
                complete boolean, position_max_id bigint, position_last_id bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_variable
 DECLARE
     left_events integer := max_events;
     left_bytes  bigint := max_bytes;
     took        integer := taken;
+    c           pg_snapshot;
+    u           pg_snapshot;
     w           record;
 BEGIN
     IF cardinality(cursors) <> cardinality(shards) OR cardinality(uptos) <> cardinality(shards)
@@ -642,6 +651,19 @@ BEGIN
     END IF;
     FOR n IN 1 .. cardinality(shards) LOOP
         shard := shards[n];
+        c := cursors[n]::pg_snapshot;
+        u := uptos[n]::pg_snapshot;
+        IF left_events > 0 AND left_bytes > 0
+           AND NOT EXISTS (SELECT 1 FROM pg_snapshot_xip(c) AS x WHERE pg_visible_in_snapshot(x, u))
+           AND NOT EXISTS (SELECT 1 FROM outbox.events e
+                            WHERE e.shard = shards[n] AND e.txid >= pg_snapshot_xmax(c) AND e.txid < pg_snapshot_xmax(u)) THEN
+            txid := NULL; txn_max_id := NULL; id := NULL; event_id := NULL; aggregate_type := NULL;
+            aggregate_id := NULL; event_type := NULL; payload := NULL; headers := NULL; stream := NULL;
+            created_at := NULL; traceparent := NULL; tracestate := NULL; size := NULL;
+            complete := true; position_max_id := NULL; position_last_id := NULL;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
         FOR w IN SELECT * FROM outbox._read_window(shards[n], cursors[n], uptos[n], window_max_ids[n],
                                                    window_last_ids[n], left_events, left_bytes, took) LOOP
             txid := w.txid; txn_max_id := w.txn_max_id; id := w.id; event_id := w.event_id;
