@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use outbox_round::db::{Database, DbError, Kind, Row, Statements, Value};
+use outbox_round::session::SESSION_SETTINGS;
 use outbox_round::snapshot::Snapshot;
 use outbox_round::window::{Budget, Position, WindowAsk, WindowRead};
 use postgres::fallible_iterator::FallibleIterator;
@@ -80,6 +81,14 @@ impl PgDatabase {
             .map_err(db_error)?;
         let (backend_pid, role, database) = (who.get(0), who.get(1), who.get(2));
         let standby: bool = who.get(3);
+        // The worker's session settings (outbox_round::session), over the database's and role's.
+        let (names, values): (Vec<&str>, Vec<&str>) = SESSION_SETTINGS.iter().copied().unzip();
+        client
+            .execute(
+                "SELECT pg_catalog.set_config(s.name, s.value, false) FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[])) AS s(name, value)",
+                &[&names, &values],
+            )
+            .map_err(db_error)?;
         let mut db =
             PgDatabase { client, prepared: HashMap::new(), listening: Vec::new(), backend_pid, role, database };
         // A standby refuses LISTEN (and is never published from: src/readiness.rs); once promoted,

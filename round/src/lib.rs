@@ -11,6 +11,7 @@
 //! - `tick_settings`: what every step of a round is given (a leaf they all share).
 //! - `replay`: replay rounds between live ones; `losses`: noticing and recording lost entries.
 //! - `housekeeping`: the reaper, the age check, recorded snapshots, retention.
+//! - `session`: the session settings every relay pins.
 //! - `backoff`: capped exponential backoff; `coalesce`: the pause after a busy round; `time`: timestamps as the relays write them.
 
 pub mod backoff;
@@ -24,6 +25,7 @@ pub mod read;
 pub mod readiness;
 pub mod replay;
 pub mod round;
+pub mod session;
 pub mod settle;
 pub mod snapshot;
 pub mod state;

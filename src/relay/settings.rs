@@ -3,6 +3,7 @@
 //! which a reload does not re-read: a relay compares them at each reload and starts again when
 //! they changed.
 
+use std::ffi::CString;
 use std::time::Duration;
 
 use outbox_sink::entry::{EntryFormat, EntrySettings};
@@ -78,34 +79,12 @@ pub fn adopt_own_settings() -> Option<String> {
     (!removed).then_some(recorded)
 }
 
-/// The session settings every relay runs with, whatever the database or role says. Its batch
-/// statements gain nothing from JIT and would pay its compile time per call. Its commits need not
-/// wait for the WAL flush: a relay commit lost in a crash (claim, mark,
-/// rejection, retention) only means an event is published again or a row deleted later, never
-/// that an event is lost, while waiting would put an fsync on every event's path to Redis.
-/// The correctness argument of the claim (`outbox._claim_shards`) needs each statement to see a fresh
-/// snapshot, i.e. READ COMMITTED, and the relay writes: a database or role default of
-/// repeatable read, serializable or read-only must not apply to the relay's transactions, nor a
-/// database's search_path to which operators its statements run.
+/// Pins the session settings every relay runs with (outbox_round::session, which says why),
+/// over whatever the database or role says.
 pub fn pin_session_settings() {
-    for (name, value) in [
-        (c"jit", c"off"),
-        (c"synchronous_commit", c"off"),
-        (c"default_transaction_isolation", c"read committed"),
-        (c"default_transaction_read_only", c"off"),
-        // A relay never waits long on a row lock (a session holding its shard rows, an admin's
-        // forget_aggregates): it backs off and tries again, answering SIGTERM in between.
-        (c"lock_timeout", c"2s"),
-        // The relay's statements take arrays and snapshots as parameters; planned for each call's
-        // values (PL/pgSQL's custom plans) the batch read cost over a millisecond a round to plan,
-        // more than running it. Their generic plans are index walks whatever the values.
-        (c"plan_cache_mode", c"force_generic_plan"),
-        // The relay runs as the bootstrap superuser; a database default search_path (which the
-        // database's owner may set) must not choose the operators and functions its statements
-        // resolve, or an owner's `=` in a schema listed first would run with superuser rights.
-        (c"search_path", c"pg_catalog, pg_temp"),
-    ] {
-        // SAFETY: static NUL-terminated strings; all are user-settable options.
+    for (name, value) in outbox_round::session::SESSION_SETTINGS {
+        let (name, value) = (CString::new(*name).unwrap_or_default(), CString::new(*value).unwrap_or_default());
+        // SAFETY: NUL-terminated strings; all are user-settable options.
         unsafe {
             pg_sys::SetConfigOption(
                 name.as_ptr(),
