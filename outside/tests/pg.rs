@@ -105,36 +105,36 @@ fn a_server_error_carries_its_sqlstate_and_the_transaction_rolls_back() {
     let error = select_one(&mut db, "SELECT 1 / $1", &[Value::Int4(0)]).unwrap_err();
     assert_eq!(error.sqlstate.as_deref(), Some("22012"));
     assert_eq!(error.message, "division by zero");
-    db.transaction(|s| s.execute("CREATE TABLE t (n int)", &[])).unwrap();
+    db.transaction(|s| s.execute("CREATE TABLE public.t (n int)", &[])).unwrap();
     let count = |db: &mut PgDatabase| -> i64 {
-        let rows = select_one(db, "SELECT count(*) FROM t", &[]).unwrap();
+        let rows = select_one(db, "SELECT count(*) FROM public.t", &[]).unwrap();
         rows[0].get::<i64>(0).unwrap().unwrap()
     };
     // Err from the body.
     let outcome: Result<(), DbError> = db.transaction(|s| {
-        assert_eq!(s.execute("INSERT INTO t VALUES ($1)", &[Value::Int4(1)])?, 1);
+        assert_eq!(s.execute("INSERT INTO public.t VALUES ($1)", &[Value::Int4(1)])?, 1);
         Err(DbError::new("the body gave up"))
     });
     assert_eq!(outcome.unwrap_err().message, "the body gave up");
     assert_eq!(count(&mut db), 0);
     // A statement that failed, its error swallowed by the body: still rolled back, and said so.
     let outcome = db.transaction(|s| {
-        s.execute("INSERT INTO t VALUES ($1)", &[Value::Int4(2)])?;
-        let _ = s.execute("INSERT INTO t VALUES ($1 / 0)", &[Value::Int4(3)]);
+        s.execute("INSERT INTO public.t VALUES ($1)", &[Value::Int4(2)])?;
+        let _ = s.execute("INSERT INTO public.t VALUES ($1 / 0)", &[Value::Int4(3)]);
         Ok(())
     });
     assert_eq!(outcome.unwrap_err().sqlstate.as_deref(), Some("22012"));
     assert_eq!(count(&mut db), 0);
     // A failure at commit (a deferred constraint) is the transaction's error.
     db.transaction(|s| {
-        s.execute("CREATE TABLE u (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)", &[])?;
-        s.execute("INSERT INTO u VALUES (1)", &[])
+        s.execute("CREATE TABLE public.u (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)", &[])?;
+        s.execute("INSERT INTO public.u VALUES (1)", &[])
     })
     .unwrap();
-    let error = db.transaction(|s| s.execute("INSERT INTO u VALUES (1)", &[])).unwrap_err();
+    let error = db.transaction(|s| s.execute("INSERT INTO public.u VALUES (1)", &[])).unwrap_err();
     assert_eq!(error.sqlstate.as_deref(), Some("23505"));
     // And the connection goes on.
-    let n = db.transaction(|s| s.execute("INSERT INTO t VALUES ($1)", &[Value::Int4(4)])).unwrap();
+    let n = db.transaction(|s| s.execute("INSERT INTO public.t VALUES ($1)", &[Value::Int4(4)])).unwrap();
     assert_eq!(n, 1);
     assert_eq!(count(&mut db), 1);
 }
