@@ -146,11 +146,9 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
             }
         }
         let notified = woken == Woken::Notified;
-        if woken == Woken::WriterInFlight {
+        let writer_waited = woken == Woken::WriterInFlight;
+        if writer_waited {
             wake::pause(writer_pause, stop);
-            writer_pause = (writer_pause * 2).min(wake::WRITER_IN_FLIGHT_PAUSE_MAX);
-        } else {
-            writer_pause = wake::WRITER_IN_FLIGHT_PAUSE;
         }
         last_round = Some(Instant::now());
         let step = step(db, relay, stop, poll_interval, &mut state);
@@ -158,6 +156,15 @@ fn serve(db: &mut PgDatabase, relay: &mut Relay, stop: &AtomicBool) {
             Ok((woken, claimed)) => {
                 errors.clear();
                 empty_notification = notified && claimed == 0;
+                // The pause for a writer in flight doubles only while the rounds between find
+                // nothing: under steady commits, where a writer is nearly always in flight and
+                // nearly every round finds work, it stays at 2 ms (it grew to 20 ms whatever
+                // the rounds found, and p50 at 1,000 events/s was 13 ms).
+                writer_pause = if writer_waited && claimed == 0 && woken == Woken::WriterInFlight {
+                    (writer_pause * 2).min(wake::WRITER_IN_FLIGHT_PAUSE_MAX)
+                } else {
+                    wake::WRITER_IN_FLIGHT_PAUSE
+                };
                 woken
             }
             Err(_) if db.is_closed() => return,
