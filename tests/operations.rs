@@ -735,3 +735,44 @@ fn messages_reads_each_event_once_while_a_large_transaction_is_published_in_part
     let examined = rows_examined(&plan[0]["Plan"]);
     assert!(examined <= 20.0 * rows as f64, "published_at read {examined} rows for a view of {rows}");
 }
+
+/// The age check (`outbox._log_pending(false)`, once a second in housekeeping) stops its walk at
+/// the first snapshot recorded after the oldest event it found (src/log/pending.rs, `walk_bound`);
+/// it finds the same oldest as the counting walk, which reads every undelivered transaction, also
+/// when a transaction drew its txid long before it enqueued, or enqueued long before it committed.
+#[test]
+fn the_age_check_finds_the_oldest_the_counting_walk_finds() {
+    let env = Env::start(&["outbox.enabled = off"]);
+    let mut client = env.pg.connect();
+    let mut drew_early = env.pg.connect();
+    let mut committed_late = env.pg.connect();
+    let same = |client: &mut postgres::Client, when: &str| {
+        let row = client
+            .query_one(
+                "SELECT (SELECT oldest FROM outbox._log_pending(false)), (SELECT oldest FROM outbox._log_pending(true)),
+                        (SELECT events FROM outbox._log_pending(true))",
+                &[],
+            )
+            .unwrap();
+        let (bounded, counted): (Option<std::time::SystemTime>, Option<std::time::SystemTime>) =
+            (row.get(0), row.get(1));
+        assert_eq!(bounded, counted, "{when}: {} pending", row.get::<_, i64>(2));
+        counted
+    };
+    assert_eq!(same(&mut client, "an empty log"), None);
+    drew_early.batch_execute("BEGIN; SELECT pg_current_xact_id()").unwrap();
+    committed_late.batch_execute("BEGIN; SELECT outbox_enqueue('order', 'committed-late', 'created', '{}')").unwrap();
+    for round in 0..6 {
+        for i in 0..40 {
+            client.execute("SELECT outbox_enqueue('order', $1, 'created', '{}')", &[&format!("{round}-{i}")]).unwrap();
+        }
+        // A snapshot as housekeeping records it, without its one-a-second limit.
+        client.batch_execute("INSERT INTO outbox.snapshots VALUES (clock_timestamp(), pg_current_snapshot())").unwrap();
+        same(&mut client, &format!("round {round}"));
+    }
+    drew_early.batch_execute("SELECT outbox_enqueue('order', 'drew-early', 'created', '{}'); COMMIT").unwrap();
+    let before = same(&mut client, "a transaction that drew its txid first committed");
+    committed_late.batch_execute("COMMIT").unwrap();
+    let after = same(&mut client, "a transaction that enqueued early committed");
+    assert!(after < before, "the late commit's event is the oldest: {after:?} vs {before:?}");
+}

@@ -32,6 +32,24 @@ const SHARDS: &str = "SELECT shard, cursor::text, window_upto::text, window_max_
                              pg_catalog.pg_current_snapshot()::text \
                         FROM outbox.shards ORDER BY shard";
 
+/// The snapshots housekeeping records once a second while anything is undelivered
+/// (`outbox._record_snapshot`), as (when, the next txid then), oldest first.
+const RECORDED: &str = "SELECT (extract(epoch FROM taken_at) * 1000000)::int8 - 946684800000000, \
+                               pg_catalog.pg_snapshot_xmax(snap)::text::int8 \
+                          FROM outbox.snapshots ORDER BY taken_at";
+
+/// Where the search for the oldest may stop, once an undelivered event of `oldest` was found: the
+/// next txid of the first snapshot recorded at or after it. A transaction from that txid on drew
+/// it after the snapshot was taken, so after `oldest`, and enqueued every event later still: none
+/// is older (to the microsecond: an event's time is read when it is enqueued, a txid drawn at the
+/// first write). Without it, the age check read every undelivered transaction once a second: a
+/// paused relay's housekeeping took 73% of a core while writers enqueued 7,000 events a second.
+fn walk_bound(recorded: &[(i64, u64)], oldest: Option<i64>) -> u64 {
+    oldest
+        .and_then(|oldest| recorded.iter().find(|(taken_at, _)| *taken_at >= oldest))
+        .map_or(u64::MAX, |(_, next_txid)| *next_txid)
+}
+
 /// Counts (when `count`) the log's undelivered events and finds the oldest. Without counting, each
 /// undelivered transaction costs a probe of the index and one row read, however many events it
 /// has; counting reads every undelivered row (a rolled-back subtransaction's rows are in the
@@ -55,24 +73,66 @@ pub fn log_pending(count: bool) -> Result<LogPending, pgrx::spi::Error> {
         Ok::<_, pgrx::spi::Error>(())
     })?;
     let Some(now) = now else { return Ok(LogPending::default()) };
+    let recorded: Vec<(i64, u64)> = if count {
+        Vec::new()
+    } else {
+        Spi::connect(|client| {
+            client
+                .select(RECORDED, None, &[])?
+                .map(|row| Ok((row.get::<i64>(1)?.unwrap_or_default(), row.get::<i64>(2)?.unwrap_or_default() as u64)))
+                .collect::<Result<Vec<_>, pgrx::spi::Error>>()
+        })?
+    };
     let mut pending = LogPending::default();
     // Taken after `now`: its snapshot sees every transaction `now` shows as committed.
     let mut tables = LogTables::open();
-    for state in &shards {
-        for txid in undelivered_transactions(&mut tables, state, &now) {
-            let done_below = consumed_position(&mut tables, state, txid);
-            tables.all(|table| {
-                tally(table, state.shard, txid, done_below, count, &mut pending);
-                true
-            });
+    if !count {
+        // Each shard's first undelivered transaction first: the oldest of them bounds the walks.
+        for state in &shards {
+            tally_transactions(&mut tables, state, &now, 1, &mut pending, false, &recorded);
         }
+    }
+    for state in &shards {
+        tally_transactions(&mut tables, state, &now, usize::MAX, &mut pending, count, &recorded);
     }
     Ok(pending)
 }
 
-/// The transactions of `state`'s shard visible in `now` and not in its cursor, ascending.
-fn undelivered_transactions(tables: &mut LogTables, state: &ShardState, now: &Snapshot) -> Vec<u64> {
+/// Adds up to `most` undelivered transactions of `state`'s shard to `pending`, ascending, below
+/// the bound the oldest found so far gives (`walk_bound`) when not counting.
+fn tally_transactions(
+    tables: &mut LogTables,
+    state: &ShardState,
+    now: &Snapshot,
+    most: usize,
+    pending: &mut LogPending,
+    count: bool,
+    recorded: &[(i64, u64)],
+) {
+    let below = if count { u64::MAX } else { walk_bound(recorded, pending.oldest) };
+    for txid in undelivered_transactions(tables, state, now, below, most).into_iter().take(most) {
+        if !count && txid >= walk_bound(recorded, pending.oldest) {
+            break;
+        }
+        let done_below = consumed_position(tables, state, txid);
+        tables.all(|table| {
+            tally(table, state.shard, txid, done_below, count, pending);
+            true
+        });
+    }
+}
+
+/// The transactions of `state`'s shard visible in `now` and not in its cursor, ascending: those
+/// the cursor saw running, and those from its xmax below `below`, the first `most` of each table.
+fn undelivered_transactions(
+    tables: &mut LogTables,
+    state: &ShardState,
+    now: &Snapshot,
+    below: u64,
+    most: usize,
+) -> Vec<u64> {
     let mut found = std::collections::BTreeSet::new();
+    let upto = now.xmax.min(below);
     tables.all(|table| {
         for &txid in state.cursor.xip.iter().filter(|&&txid| now.sees(txid)) {
             if committed(txid) && table.first_txid(state.shard, txid, txid + 1).is_some() {
@@ -80,10 +140,12 @@ fn undelivered_transactions(tables: &mut LogTables, state: &ShardState, now: &Sn
             }
         }
         let mut from = state.cursor.xmax;
-        while from < now.xmax {
-            let Some(txid) = table.first_txid(state.shard, from, now.xmax) else { break };
+        let mut walked = 0;
+        while from < upto && walked < most {
+            let Some(txid) = table.first_txid(state.shard, from, upto) else { break };
             if now.sees(txid) && committed(txid) {
                 found.insert(txid);
+                walked += 1;
             }
             from = txid + 1;
         }
