@@ -81,7 +81,10 @@ $fn$;
 -- in parts has consumed; a rolled-back transaction's rows are not visible, so not counted. Through
 -- the (shard, txid, id) indexes from each cursor on, so it reads what is undelivered, not the log:
 -- by outbox.messages' rule, a scan of the whole log, it took 24 ms a call at 30,000 published
--- events, and the outside relay's housekeeping calls it once per poll interval.
+-- events, and the outside relay's housekeeping calls it once per poll interval. Without counting,
+-- it reads each shard's first undelivered event, then only the transactions below the first
+-- snapshot recorded after the oldest of those (src/log/pending.rs, `walk_bound`, says why none
+-- above it can be older).
 CREATE FUNCTION outbox._log_pending(count_events boolean)
 RETURNS TABLE (events bigint, oldest timestamptz)
 LANGUAGE plpgsql STRICT VOLATILE
@@ -91,17 +94,25 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 #variable_conflict use_column
 DECLARE
-    now_snapshot pg_snapshot := pg_current_snapshot();
-    s            record;
-    n            bigint;
+    now_snapshot  pg_snapshot := pg_current_snapshot();
+    below         xid8 := pg_snapshot_xmax(now_snapshot);
+    s             record;
+    n             bigint;
     first_created timestamptz;
 BEGIN
     events := 0;
+    IF NOT count_events THEN
+        FOR s IN SELECT sh.shard, sh.cursor, sh.window_upto, sh.window_max_id, sh.window_last_id FROM outbox.shards sh LOOP
+            oldest := least(oldest, outbox._first_pending(s.shard, s.cursor, s.window_upto, s.window_max_id,
+                                                           s.window_last_id, now_snapshot));
+        END LOOP;
+        below := least(below, (SELECT pg_snapshot_xmax(p.snap) FROM outbox.snapshots p
+                                WHERE p.taken_at >= oldest ORDER BY p.taken_at LIMIT 1));
+    END IF;
     FOR s IN SELECT sh.shard, sh.cursor, sh.window_upto, sh.window_max_id, sh.window_last_id FROM outbox.shards sh LOOP
         SELECT count(*), min(u.created_at) INTO n, first_created
           FROM (SELECT e.id, e.txid, e.created_at FROM outbox.events e
-                 WHERE e.shard = s.shard AND e.txid >= pg_snapshot_xmax(s.cursor)
-                   AND e.txid < pg_snapshot_xmax(now_snapshot)
+                 WHERE e.shard = s.shard AND e.txid >= pg_snapshot_xmax(s.cursor) AND e.txid < below
                 UNION ALL
                 SELECT e.id, e.txid, e.created_at FROM outbox.events e
                  WHERE e.shard = s.shard AND e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.cursor)))) u
@@ -120,6 +131,44 @@ BEGIN
     RETURN NEXT;
 END
 $fn$;
+
+-- The creation time of an undelivered event of a shard, as outbox._log_pending counts them (the
+-- first from the cursor's xmax on, in (txid, id) order, else one of a transaction the cursor saw
+-- running), or NULL: a candidate for the oldest, which bounds the walk for it.
+CREATE FUNCTION outbox._first_pending(the_shard smallint, cursor pg_snapshot, window_upto pg_snapshot,
+                                      window_max_id bigint, window_last_id bigint, now_snapshot pg_snapshot)
+RETURNS timestamptz
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET enable_sort = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+DECLARE
+    r       record;
+    largest bigint;
+BEGIN
+    -- Fetched a few rows at a time in index order (a cursor's fast-start plan, each log table's
+    -- index merged): it stops at the first the cursor and the window have not consumed.
+    FOR r IN (SELECT e.id, e.txid, e.created_at FROM outbox.events e
+               WHERE e.shard = the_shard AND e.txid >= pg_snapshot_xmax(cursor) AND e.txid < pg_snapshot_xmax(now_snapshot)
+               ORDER BY e.txid, e.id)
+             UNION ALL
+             (SELECT e.id, e.txid, e.created_at FROM outbox.events e
+               WHERE e.shard = the_shard AND e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(cursor)))) LOOP
+        CONTINUE WHEN NOT pg_visible_in_snapshot(r.txid, now_snapshot);
+        IF window_upto IS NOT NULL AND pg_visible_in_snapshot(r.txid, window_upto) THEN
+            SELECT max(l.id) INTO largest FROM outbox.events l WHERE l.shard = the_shard AND l.txid = r.txid;
+            CONTINUE WHEN largest < window_max_id OR (largest = window_max_id AND r.id <= window_last_id);
+        END IF;
+        RETURN r.created_at;
+    END LOOP;
+    RETURN NULL;
+END
+$fn$;
+COMMENT ON FUNCTION outbox._first_pending(smallint, pg_snapshot, pg_snapshot, bigint, bigint, pg_snapshot) IS
+    'Internal (SQL-only install): when an undelivered event of a shard was enqueued, the candidate that bounds the age check''s walk';
 
 -- outbox.allowed_streams' patterns (src/enqueue/streams.rs): comma-separated globs, `*` any run,
 -- `?` one character, `\` makes the next one literal; blanks around the commas ignored. Each is
