@@ -315,97 +315,132 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $fn$
 DECLARE
-    stored_headers jsonb;
+    stored_headers jsonb := headers;
     patterns       text;
     template       text;
     key            text;
     payload_bytes  integer;
     payload_limit  bigint;
-    hash           bigint;
-    shard          smallint;
+    bytes          bytea;
+    hash           bigint := -3750763034362895579;  -- FNV-1a's offset basis, 0xcbf29ce484222325
+    held           integer;
+    unused         text;
     event_id       uuid;
     txid           xid8;
     current_table  smallint;
-    random_hex     text;
 BEGIN
-    -- What an INSERT would refuse, before anything else, as the Rust function does.
-    IF current_setting('transaction_read_only') = 'on' THEN
-        RAISE EXCEPTION 'cannot execute outbox_enqueue() in a read-only transaction' USING ERRCODE = 'read_only_sql_transaction';
-    END IF;
-    IF pg_is_in_recovery() THEN
-        RAISE EXCEPTION 'cannot execute outbox_enqueue() during recovery' USING ERRCODE = 'read_only_sql_transaction';
-    END IF;
-    IF aggregate_type IS NULL OR aggregate_type = '' OR octet_length(aggregate_type) > 255 THEN
-        PERFORM outbox._refuse_name('aggregate_type', aggregate_type, 255,
-            'Pass the kind of entity the event is about, e.g. ''payment''.',
-            'aggregate_type names a kind of entity, e.g. ''payment''; put data in the payload.');
-    END IF;
-    IF aggregate_id IS NULL OR aggregate_id = '' OR octet_length(aggregate_id) > 1024 THEN
-        PERFORM outbox._refuse_name('aggregate_id', aggregate_id, 1024,
-            'Pass the id of the entity the event is about (text, bigint or uuid).',
-            'Pass the id of the entity the event is about (text, bigint or uuid); put data in the payload.');
-    END IF;
-    IF event_type IS NULL OR event_type = '' OR octet_length(event_type) > 255 THEN
-        PERFORM outbox._refuse_name('event_type', event_type, 255,
-            'Pass what happened, e.g. ''payment.created''.',
-            'event_type names what happened, e.g. ''payment.created''; put data in the payload.');
-    END IF;
-    IF payload IS NULL THEN
-        RAISE EXCEPTION 'outbox_enqueue: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed',
-            HINT = 'Pass a jsonb value; use ''null''::jsonb for an event without a body.';
-    END IF;
-    IF headers IS NOT NULL THEN
-        IF jsonb_typeof(headers) <> 'object' THEN
-            RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, got a JSON %: %', jsonb_typeof(headers), left(headers::text, 100)
-                USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass e.g. ''{"trace_id": "abc"}''::jsonb, or NULL for no headers.';
+    -- The checks, in the Rust function's order. Each statement run costs, even a check that
+    -- passes: PL/pgSQL prepares every expression anew in each transaction, and a call is often its
+    -- transaction's only one. So one expression tells whether a check could refuse or has work
+    -- (headers, a stream), and the checks run in order only then.
+    IF current_setting('transaction_read_only') = 'on' OR pg_is_in_recovery()
+       OR NOT coalesce(octet_length(aggregate_type) BETWEEN 1 AND 255 AND octet_length(aggregate_id) BETWEEN 1 AND 1024
+                       AND octet_length(event_type) BETWEEN 1 AND 255 AND payload IS NOT NULL, false)
+       OR headers IS NOT NULL OR stream IS NOT NULL THEN
+        -- What an INSERT would refuse, before anything else, as the Rust function does.
+        IF current_setting('transaction_read_only') = 'on' THEN
+            RAISE EXCEPTION 'cannot execute outbox_enqueue() in a read-only transaction' USING ERRCODE = 'read_only_sql_transaction';
         END IF;
-        PERFORM outbox._check_headers_size(headers::text, false);
-    END IF;
-    IF stream IS NOT NULL THEN
-        IF outbox._trim_whitespace(stream) = '' THEN
-            RAISE EXCEPTION 'outbox_enqueue: stream must not be empty or blank (got ''%'')', stream
-                USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL to use the outbox.stream template, or a Redis key of 1 to 512 bytes.';
+        IF pg_is_in_recovery() THEN
+            RAISE EXCEPTION 'cannot execute outbox_enqueue() during recovery' USING ERRCODE = 'read_only_sql_transaction';
         END IF;
-        IF octet_length(stream) > 512 THEN
-            RAISE EXCEPTION 'outbox_enqueue: stream is % bytes long (starts with %), the limit is 512 bytes', octet_length(stream), quote_literal(left(stream, 40))
-                USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL to use the outbox.stream template, or a Redis key of 1 to 512 bytes.';
+        IF aggregate_type IS NULL OR aggregate_type = '' OR octet_length(aggregate_type) > 255 THEN
+            PERFORM outbox._refuse_name('aggregate_type', aggregate_type, 255,
+                'Pass the kind of entity the event is about, e.g. ''payment''.',
+                'aggregate_type names a kind of entity, e.g. ''payment''; put data in the payload.');
+        END IF;
+        IF aggregate_id IS NULL OR aggregate_id = '' OR octet_length(aggregate_id) > 1024 THEN
+            PERFORM outbox._refuse_name('aggregate_id', aggregate_id, 1024,
+                'Pass the id of the entity the event is about (text, bigint or uuid).',
+                'Pass the id of the entity the event is about (text, bigint or uuid); put data in the payload.');
+        END IF;
+        IF event_type IS NULL OR event_type = '' OR octet_length(event_type) > 255 THEN
+            PERFORM outbox._refuse_name('event_type', event_type, 255,
+                'Pass what happened, e.g. ''payment.created''.',
+                'event_type names what happened, e.g. ''payment.created''; put data in the payload.');
+        END IF;
+        IF payload IS NULL THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload must not be NULL' USING ERRCODE = 'null_value_not_allowed',
+                HINT = 'Pass a jsonb value; use ''null''::jsonb for an event without a body.';
+        END IF;
+        IF headers IS NOT NULL THEN
+            IF jsonb_typeof(headers) <> 'object' THEN
+                RAISE EXCEPTION 'outbox_enqueue: headers must be a JSON object, got a JSON %: %', jsonb_typeof(headers), left(headers::text, 100)
+                    USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass e.g. ''{"trace_id": "abc"}''::jsonb, or NULL for no headers.';
+            END IF;
+            IF octet_length(headers::text) > 65536 THEN
+                PERFORM outbox._check_headers_size(headers::text, false);
+            END IF;
+        END IF;
+        IF stream IS NOT NULL THEN
+            IF outbox._trim_whitespace(stream) = '' THEN
+                RAISE EXCEPTION 'outbox_enqueue: stream must not be empty or blank (got ''%'')', stream
+                    USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL to use the outbox.stream template, or a Redis key of 1 to 512 bytes.';
+            END IF;
+            IF octet_length(stream) > 512 THEN
+                RAISE EXCEPTION 'outbox_enqueue: stream is % bytes long (starts with %), the limit is 512 bytes', octet_length(stream), quote_literal(left(stream, 40))
+                    USING ERRCODE = 'invalid_parameter_value', HINT = 'Pass NULL to use the outbox.stream template, or a Redis key of 1 to 512 bytes.';
+            END IF;
         END IF;
     END IF;
-    IF (SELECT d.datistemplate FROM pg_database d WHERE d.datname = current_database()) THEN
+    PERFORM FROM pg_database d WHERE d.datname = current_database() AND d.datistemplate;
+    IF FOUND THEN
         RAISE EXCEPTION 'database "%" is a template, and outbox_pg relays no template database, so no relay would deliver this event', current_database()
             USING ERRCODE = 'object_not_in_prerequisite_state',
                   HINT = 'Enqueue in the databases created from it, or make it an ordinary database (ALTER DATABASE ... IS_TEMPLATE false).';
     END IF;
-    patterns := outbox._allowed_streams();
-    IF NOT '*' = ANY (SELECT outbox._trim_whitespace(p) FROM unnest(string_to_array(patterns, ',')) p) THEN
-        template := coalesce(nullif(current_setting('outbox.stream', true), ''), 'outbox:{aggregate_type}');
-        key := coalesce(stream, array_to_string(ARRAY(
-                   SELECT replace(part, '{event_type}', event_type)
-                     FROM unnest(string_to_array(template, '{aggregate_type}')) WITH ORDINALITY AS t(part, n) ORDER BY n),
-                   aggregate_type));
-        IF NOT outbox._stream_allowed(patterns, key) THEN
-            RAISE EXCEPTION 'outbox_enqueue: stream "%" (%) is not allowed by outbox.allowed_streams', outbox._shown_key(key),
-                    CASE WHEN stream IS NOT NULL THEN 'the stream argument' ELSE format('outbox.stream (''%s'') for this event', template) END
-                USING ERRCODE = 'insufficient_privilege',
-                      HINT = format('Allowed streams match one of these patterns: ''%s''. Use such a stream, or have a superuser extend outbox.allowed_streams.', patterns);
+    -- Likewise: outbox.allowed_streams other than its default '*', a payload over the default
+    -- limit or any limit set, a trace context in the headers or the settings.
+    IF coalesce(current_setting('outbox.allowed_streams', true), '') NOT IN ('', '*')
+       OR octet_length(payload::text) > (CASE WHEN coalesce(current_setting('outbox.max_payload_size', true), '') = '' THEN 1048576 ELSE 0 END)
+       OR headers ?| '{traceparent,tracestate}'::text[]
+       OR current_setting('outbox.traceparent', true) <> '' OR current_setting('outbox.tracestate', true) <> '' THEN
+        patterns := outbox._allowed_streams();
+        IF NOT '*' = ANY (SELECT outbox._trim_whitespace(p) FROM unnest(string_to_array(patterns, ',')) p) THEN
+            template := coalesce(nullif(current_setting('outbox.stream', true), ''), 'outbox:{aggregate_type}');
+            key := coalesce(stream, array_to_string(ARRAY(
+                       SELECT replace(part, '{event_type}', event_type)
+                         FROM unnest(string_to_array(template, '{aggregate_type}')) WITH ORDINALITY AS t(part, n) ORDER BY n),
+                       aggregate_type));
+            IF NOT outbox._stream_allowed(patterns, key) THEN
+                RAISE EXCEPTION 'outbox_enqueue: stream "%" (%) is not allowed by outbox.allowed_streams', outbox._shown_key(key),
+                        CASE WHEN stream IS NOT NULL THEN 'the stream argument' ELSE format('outbox.stream (''%s'') for this event', template) END
+                    USING ERRCODE = 'insufficient_privilege',
+                          HINT = format('Allowed streams match one of these patterns: ''%s''. Use such a stream, or have a superuser extend outbox.allowed_streams.', patterns);
+            END IF;
+        END IF;
+        -- The limit applies to what is sent to Redis: the payload's JSON text.
+        payload_bytes := octet_length(payload::text);
+        payload_limit := pg_size_bytes(coalesce(nullif(current_setting('outbox.max_payload_size', true), ''), '1048576'));
+        IF payload_bytes > payload_limit THEN
+            RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, larger than outbox.max_payload_size (% bytes)', payload_bytes, payload_limit
+                USING ERRCODE = 'program_limit_exceeded',
+                      HINT = 'Put large documents elsewhere and send a reference in the event, or have a superuser raise outbox.max_payload_size.';
+        END IF;
+        stored_headers := outbox._with_trace_context(headers);
+        IF stored_headers IS DISTINCT FROM headers THEN
+            PERFORM outbox._check_headers_size(stored_headers::text, true);
         END IF;
     END IF;
-    -- The limit applies to what is sent to Redis: the payload's JSON text.
-    payload_bytes := octet_length(payload::text);
-    payload_limit := pg_size_bytes(coalesce(nullif(current_setting('outbox.max_payload_size', true), ''), '1048576'));
-    IF payload_bytes > payload_limit THEN
-        RAISE EXCEPTION 'outbox_enqueue: payload is % bytes, larger than outbox.max_payload_size (% bytes)', payload_bytes, payload_limit
-            USING ERRCODE = 'program_limit_exceeded',
-                  HINT = 'Put large documents elsewhere and send a reference in the event, or have a superuser raise outbox.max_payload_size.';
-    END IF;
-    stored_headers := outbox._with_trace_context(headers);
-    IF stored_headers IS DISTINCT FROM headers THEN
-        PERFORM outbox._check_headers_size(stored_headers::text, true);
-    END IF;
 
-    -- Right before the id is drawn: enqueues of one aggregate take turns until commit.
-    hash := outbox._aggregate_hash(aggregate_type, aggregate_id);
-    PERFORM outbox._lock_aggregate(hash);
+    -- outbox._aggregate_hash, here (a call costs more than the hash), in two statements a byte:
+    -- the product by the prime, 2^40 + 435, modulo 2^64, made of parts no step overflows.
+    bytes := convert_to(aggregate_type, 'UTF8') || decode('ff', 'hex') || convert_to(aggregate_id, 'UTF8');
+    FOR i IN 0 .. length(bytes) - 1 LOOP
+        hash := hash # get_byte(bytes, i);
+        hash := (((hash >> 32) * 435 + ((hash & 16777215) << 8) + (((hash & 4294967295) * 435) >> 32)) << 32)
+                | (((hash & 4294967295) * 435) & 4294967295);
+    END LOOP;
+    -- Right before the id is drawn: enqueues of one aggregate take turns until commit. Below the
+    -- cap, outbox._lock_aggregate's lock (outbox._order_lock_keys' keys) and count in one
+    -- expression; at the cap, that function.
+    held := coalesce(nullif(current_setting('outbox_sql_only.order_locks', true), ''), '0')::integer;
+    IF held < 256 THEN
+        unused := pg_advisory_xact_lock((hash >> 32)::integer, (((hash & 4294967295) # 2147483648) - 2147483648)::integer)::text
+                  || set_config('outbox_sql_only.order_locks', (held + 1)::text, true);
+    ELSE
+        PERFORM outbox._lock_aggregate(hash);
+    END IF;
     -- Wakes a sleeping relay at commit (docs/sql-only.md, "Commit wake-up"). A relay outside the
     -- server holds the wake key while it sleeps: a writer that cannot share it notifies. One that
     -- can holds it to its commit, so no relay falls asleep before that commit, and the relay's
@@ -419,11 +454,12 @@ BEGIN
        AND current_setting('max_prepared_transactions') = '0' THEN
         PERFORM pg_notify(outbox._wake_channel(), '');
     END IF;
-    shard := (hash & 15)::smallint;
-    -- A UUIDv7: the Unix time in milliseconds, the version, then a random UUID's random bits.
-    random_hex := replace(gen_random_uuid()::text, '-', '');
-    event_id := (lpad(to_hex(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint), 12, '0')
-                 || '7' || substr(random_hex, 14, 3) || substr(random_hex, 17, 16))::uuid;
+    -- A UUIDv7: the Unix time in milliseconds (48 bits, 12 hex digits), the version 7, then a
+    -- random UUID's random bits (its variant's too): its first 15 characters, 'xxxxxxxx-xxxx-4',
+    -- replaced (uuid_in takes a '-' after any group of four digits).
+    event_id := overlay(gen_random_uuid()::text
+                        PLACING encode(substr(int8send(floor(date_part('epoch', clock_timestamp()) * 1000)::bigint), 3), 'hex') || '-7'
+                        FROM 1 FOR 15)::uuid;
     -- The transaction id before the generation (outbox._retention's bound on a switched table's
     -- writers). Read committed: the next statement's snapshot is taken after it. Repeatable read
     -- keeps an older snapshot: the row is locked, which raises a serialization failure if a switch
@@ -434,16 +470,17 @@ BEGIN
     ELSE
         SELECT g.generation INTO current_table FROM outbox.generations g WHERE g.state = 'current' FOR SHARE;
     END IF;
+    -- The shard: the hash's low four bits.
     CASE current_table
         WHEN 0 THEN
             INSERT INTO outbox.events_0 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-            VALUES (txid, shard, nextval('outbox.events_id_seq'), event_id, aggregate_type, aggregate_id, event_type, payload, stored_headers, stream, clock_timestamp());
+            VALUES (txid, (hash & 15)::smallint, nextval('outbox.events_id_seq'), event_id, aggregate_type, aggregate_id, event_type, payload, stored_headers, stream, clock_timestamp());
         WHEN 1 THEN
             INSERT INTO outbox.events_1 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-            VALUES (txid, shard, nextval('outbox.events_id_seq'), event_id, aggregate_type, aggregate_id, event_type, payload, stored_headers, stream, clock_timestamp());
+            VALUES (txid, (hash & 15)::smallint, nextval('outbox.events_id_seq'), event_id, aggregate_type, aggregate_id, event_type, payload, stored_headers, stream, clock_timestamp());
         WHEN 2 THEN
             INSERT INTO outbox.events_2 (txid, shard, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream, created_at)
-            VALUES (txid, shard, nextval('outbox.events_id_seq'), event_id, aggregate_type, aggregate_id, event_type, payload, stored_headers, stream, clock_timestamp());
+            VALUES (txid, (hash & 15)::smallint, nextval('outbox.events_id_seq'), event_id, aggregate_type, aggregate_id, event_type, payload, stored_headers, stream, clock_timestamp());
         ELSE
             RAISE EXCEPTION 'outbox_enqueue: outbox.generations names no current table 0, 1 or 2';
     END CASE;
