@@ -75,7 +75,11 @@ impl PgDatabase {
         let mut client = config.connect(connector).map_err(db_error)?;
         let who = client
             .query_one(
-                "SELECT pg_backend_pid(), current_user::text, current_database()::text, pg_is_in_recovery()",
+                // Qualified, as the next statement: the settings are not pinned yet, and a database
+                // default search_path listing a schema before pg_catalog (which the database's
+                // owner may set) would otherwise choose these functions and types.
+                "SELECT pg_catalog.pg_backend_pid(), current_user::pg_catalog.text, \
+                        pg_catalog.current_database()::pg_catalog.text, pg_catalog.pg_is_in_recovery()",
                 &[],
             )
             .map_err(db_error)?;
@@ -85,7 +89,7 @@ impl PgDatabase {
         let (names, values): (Vec<&str>, Vec<&str>) = SESSION_SETTINGS.iter().copied().unzip();
         client
             .execute(
-                "SELECT pg_catalog.set_config(s.name, s.value, false) FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::text[])) AS s(name, value)",
+                "SELECT pg_catalog.set_config(s.name, s.value, false) FROM ROWS FROM (pg_catalog.unnest($1::pg_catalog.text[]), pg_catalog.unnest($2::pg_catalog.text[])) AS s(name, value)",
                 &[&names, &values],
             )
             .map_err(db_error)?;

@@ -175,3 +175,42 @@ fn a_writers_commit_wakes_the_sleeping_relay_and_a_lost_connection_is_reconnecte
     let lines = relay.lines();
     assert_eq!(lines.iter().filter(|line| line.contains("connected to")).count(), 2, "{lines:?}");
 }
+
+/// The database's owner may set its default search_path, and the relay may connect as a
+/// superuser: none of its statements, the first ones before it pins its settings included, runs a
+/// function or a type check the owner put in a schema listed before pg_catalog.
+#[test]
+fn a_database_default_search_path_runs_nothing_of_the_owners_with_the_relays_rights() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    let mut owner = connect_as(&pg, DATABASE, OWNER);
+    owner
+        .batch_execute(&format!(
+            "CREATE SCHEMA evil;
+             CREATE TABLE evil.ran (who text, what text);
+             GRANT ALL ON SCHEMA evil TO PUBLIC;
+             GRANT ALL ON evil.ran TO PUBLIC;
+             CREATE FUNCTION evil.trap(what text) RETURNS boolean LANGUAGE sql
+                 AS $$ INSERT INTO evil.ran VALUES (current_user, what) RETURNING true $$;
+             CREATE DOMAIN evil.text AS pg_catalog.text CHECK (evil.trap('text ' || VALUE));
+             CREATE FUNCTION evil.pg_backend_pid() RETURNS integer LANGUAGE sql
+                 AS $$ SELECT CASE WHEN evil.trap('pg_backend_pid') THEN 42 END $$;
+             CREATE FUNCTION evil.current_database() RETURNS name LANGUAGE sql
+                 AS $$ SELECT CASE WHEN evil.trap('current_database') THEN 'app'::name END $$;
+             CREATE FUNCTION evil.pg_is_in_recovery() RETURNS boolean LANGUAGE sql
+                 AS $$ SELECT NOT evil.trap('pg_is_in_recovery') $$;
+             ALTER DATABASE {DATABASE} SET search_path = evil, pg_catalog"
+        ))
+        .unwrap();
+    let relay = start_relay_at(&url(&pg, "postgres", DATABASE), &redis, &[]);
+    let connected = relay.wait_for_line("connected to");
+    assert!(!connected.contains("backend pid 42"), "{connected}");
+    let ran: Vec<(String, String)> = owner
+        .query("SELECT who, what FROM evil.ran", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert!(ran.is_empty(), "ran with the relay's rights: {ran:?}");
+    drop(relay);
+}
