@@ -193,3 +193,31 @@ fn a_replay_sends_published_events_again() {
     relay.wait_for_line(&format!("replay {replay} is done"));
     assert!(relay.terminate().success());
 }
+
+/// The relay passes a replay's range back to the server as text: under a database's DateStyle
+/// that writes a zone abbreviation, one the abbreviations read otherwise (Asia/Kolkata's IST reads
+/// as Israel's, 3.5 hours off), the range moved and the replay sent nothing.
+#[test]
+fn a_replay_sends_the_same_events_whatever_the_databases_date_style() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    pg.connect()
+        .batch_execute(&format!(
+            "ALTER DATABASE {DATABASE} SET DateStyle = 'SQL, DMY'; ALTER DATABASE {DATABASE} SET TimeZone = 'Asia/Kolkata'"
+        ))
+        .unwrap();
+    let mut relay = start_relay(&pg, &redis, &["--poll-interval", "100ms"]);
+    let total = enqueue(&pg, 2, 10, 2);
+    wait_for_distinct(&redis, total);
+    let mut app = connect_as(&pg, DATABASE, OWNER);
+    let replay: i64 = app
+        .query_one(
+            "SELECT outbox.replay(since => now() - interval '1 hour', to_stream => 'replayed', partial => true)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    relay.wait_for_line(&format!("replay {replay} is done"));
+    assert_eq!(redis.xlen("replayed"), total);
+    assert!(relay.terminate().success());
+}

@@ -29,4 +29,9 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     // choose the operators and functions its statements resolve, or an owner's `=` in a schema
     // listed first would run with the relay's rights.
     ("search_path", "pg_catalog, pg_temp"),
+    // A replay's range goes back to the server as text (round/src/replay.rs): a DateStyle that
+    // writes a zone abbreviation (SQL, Postgres, German) may not read back as written (with
+    // TimeZone Asia/Kolkata, IST reads as Israel's: 3.5 hours off, and the replay sent nothing).
+    // ISO writes the offset.
+    ("DateStyle", "ISO, MDY"),
 ];
