@@ -26,6 +26,9 @@ COMMENT ON TABLE outbox.outside_relays IS
     'outbox_pg: the outbox-relay processes relaying this database, one row per connection (rows of ended connections are ignored)';
 GRANT SELECT ON outbox.outside_relays TO outbox_admin;
 
+-- The transaction that recorded each snapshot: the age check's bound (src/sql/schema.sql).
+ALTER TABLE outbox.snapshots ADD COLUMN recorded_by xid8;
+
 -- -------------------------------------------------------------------------------------------------
 -- Replaced in place: every function, view, trigger, comment and grant of src/sql/.
 -- -------------------------------------------------------------------------------------------------
@@ -1013,10 +1016,10 @@ BEGIN
     DELETE FROM outbox.snapshots p
      WHERE pg_snapshot_xmax(p.snap) <= (SELECT min(pg_snapshot_xmax(s.cursor)) FROM outbox.shards s);
     IF NOT record
-       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > clock_timestamp() - interval '900 milliseconds') THEN
+       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > now() - interval '900 milliseconds') THEN
         RETURN false;
     END IF;
-    INSERT INTO outbox.snapshots (taken_at, snap) VALUES (clock_timestamp(), pg_current_snapshot());
+    INSERT INTO outbox.snapshots (taken_at, snap, recorded_by) VALUES (now(), pg_current_snapshot(), pg_current_xact_id());
     RETURN true;
 END
 $fn$;

@@ -22,4 +22,7 @@ COMMENT ON TABLE outbox.outside_relays IS
     'outbox_pg: the outbox-relay processes relaying this database, one row per connection (rows of ended connections are ignored)';
 GRANT SELECT ON outbox.outside_relays TO outbox_admin;
 
+-- The transaction that recorded each snapshot: the age check's bound (src/sql/schema.sql).
+ALTER TABLE outbox.snapshots ADD COLUMN recorded_by xid8;
+
 -- @replaceable

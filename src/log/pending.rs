@@ -33,21 +33,23 @@ const SHARDS: &str = "SELECT shard, cursor::text, window_upto::text, window_max_
                         FROM outbox.shards ORDER BY shard";
 
 /// The snapshots housekeeping records once a second while anything is undelivered
-/// (`outbox._record_snapshot`), as (when, the next txid then), oldest first.
+/// (`outbox._record_snapshot`), as (when, the txid that recorded it), oldest first.
 const RECORDED: &str = "SELECT (extract(epoch FROM taken_at) * 1000000)::int8 - 946684800000000, \
-                               pg_catalog.pg_snapshot_xmax(snap)::text::int8 \
-                          FROM outbox.snapshots ORDER BY taken_at";
+                               recorded_by::text::int8 \
+                          FROM outbox.snapshots WHERE recorded_by IS NOT NULL ORDER BY taken_at";
 
-/// Where the search for the oldest may stop, once an undelivered event of `oldest` was found: the
-/// next txid of the first snapshot recorded at or after it. A transaction from that txid on drew
-/// it after the snapshot was taken, so after `oldest`, and enqueued every event later still: none
-/// is older (to the microsecond: an event's time is read when it is enqueued, a txid drawn at the
-/// first write). Without it, the age check read every undelivered transaction once a second: a
-/// paused relay's housekeeping took 73% of a core while writers enqueued 7,000 events a second.
+/// Where the search for the oldest may stop, once an undelivered event of `oldest` was found: past
+/// the txid of the transaction that recorded the first snapshot at or after it. A transaction
+/// above that txid drew its own later, so after the recording transaction began (`taken_at`,
+/// at or after `oldest`), and enqueued every event later still (both enqueues draw the txid
+/// before they read the clock): none is older. Not the snapshot's xmax: a transaction running
+/// then may be above it (found by attack). Without a bound, the age check read every undelivered
+/// transaction once a second: a paused relay's housekeeping took 73% of a core while writers
+/// enqueued 7,000 events a second.
 fn walk_bound(recorded: &[(i64, u64)], oldest: Option<i64>) -> u64 {
     oldest
         .and_then(|oldest| recorded.iter().find(|(taken_at, _)| *taken_at >= oldest))
-        .map_or(u64::MAX, |(_, next_txid)| *next_txid)
+        .map_or(u64::MAX, |(_, recorded_by)| recorded_by.saturating_add(1))
 }
 
 /// Counts (when `count`) the log's undelivered events and finds the oldest. Without counting, each

@@ -239,8 +239,14 @@ COMMENT ON INDEX outbox.ticks_shard_at_idx IS
 -- holds about a second of traffic per shard rather than the whole backlog. A later snapshot sees
 -- every transaction an earlier one saw committed, so windows between them keep commit order.
 CREATE TABLE outbox.snapshots (
-    taken_at timestamptz PRIMARY KEY,
-    snap     pg_snapshot NOT NULL
+    taken_at    timestamptz PRIMARY KEY,
+    snap        pg_snapshot NOT NULL,
+    -- The transaction that recorded it (NULL in rows recorded before 0.4.0). taken_at is that
+    -- transaction's start, and it drew its txid later: every txid above this one was drawn after
+    -- taken_at, so no event of such a transaction is older than taken_at (the age check's bound,
+    -- src/log/pending.rs). A snapshot's xmax is no such bound: a transaction that drew its txid
+    -- before the snapshot and was still running is at or above it, and not in its xip.
+    recorded_by xid8
 );
 COMMENT ON TABLE outbox.snapshots IS
     'outbox_pg: snapshots taken while events were undelivered; a lagging shard reads up to the next one rather than the whole backlog';

@@ -44,7 +44,9 @@ COMMENT ON FUNCTION outbox._reap_shards(integer) IS
 --
 --     Forgets the recorded snapshots every shard's cursor has reached, and, while anything is
 --     undelivered, records one (at most about once a second) for lagging shards to read up to
---     (docs/worker.md, "Catching up").
+--     (docs/worker.md, "Catching up"), with its time and the transaction that recorded it: the
+--     start of this transaction, and its txid, drawn later (the age check's bound:
+--     outbox.snapshots.recorded_by).
 --
 -- Parameters:
 --     record      whether anything is undelivered (outbox.oldest_pending_age() is not NULL)
@@ -64,10 +66,10 @@ BEGIN
     DELETE FROM outbox.snapshots p
      WHERE pg_snapshot_xmax(p.snap) <= (SELECT min(pg_snapshot_xmax(s.cursor)) FROM outbox.shards s);
     IF NOT record
-       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > clock_timestamp() - interval '900 milliseconds') THEN
+       OR EXISTS (SELECT 1 FROM outbox.snapshots p WHERE p.taken_at > now() - interval '900 milliseconds') THEN
         RETURN false;
     END IF;
-    INSERT INTO outbox.snapshots (taken_at, snap) VALUES (clock_timestamp(), pg_current_snapshot());
+    INSERT INTO outbox.snapshots (taken_at, snap, recorded_by) VALUES (now(), pg_current_snapshot(), pg_current_xact_id());
     RETURN true;
 END
 $fn$;

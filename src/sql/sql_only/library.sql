@@ -82,9 +82,9 @@ $fn$;
 -- the (shard, txid, id) indexes from each cursor on, so it reads what is undelivered, not the log:
 -- by outbox.messages' rule, a scan of the whole log, it took 24 ms a call at 30,000 published
 -- events, and the outside relay's housekeeping calls it once per poll interval. Without counting,
--- it reads each shard's first undelivered event, then only the transactions below the first
--- snapshot recorded after the oldest of those (src/log/pending.rs, `walk_bound`, says why none
--- above it can be older).
+-- it reads each shard's first undelivered event, then only the transactions up to the one that
+-- recorded the first snapshot after the oldest of those (src/log/pending.rs, `walk_bound`, says
+-- why none above it can be older).
 CREATE FUNCTION outbox._log_pending(count_events boolean)
 RETURNS TABLE (events bigint, oldest timestamptz)
 LANGUAGE plpgsql STRICT VOLATILE
@@ -106,8 +106,9 @@ BEGIN
             oldest := least(oldest, outbox._first_pending(s.shard, s.cursor, s.window_upto, s.window_max_id,
                                                            s.window_last_id, now_snapshot));
         END LOOP;
-        below := least(below, (SELECT pg_snapshot_xmax(p.snap) FROM outbox.snapshots p
-                                WHERE p.taken_at >= oldest ORDER BY p.taken_at LIMIT 1));
+        below := least(below, (SELECT (p.recorded_by::text::bigint + 1)::text::xid8 FROM outbox.snapshots p
+                                WHERE p.taken_at >= oldest AND p.recorded_by IS NOT NULL
+                                ORDER BY p.taken_at LIMIT 1));
     END IF;
     FOR s IN SELECT sh.shard, sh.cursor, sh.window_upto, sh.window_max_id, sh.window_last_id FROM outbox.shards sh LOOP
         SELECT count(*), min(u.created_at) INTO n, first_created
