@@ -353,8 +353,9 @@ def uninstall():
     and may serve other databases' installs."""
     return f"""-- outbox_pg {version()}, removal of the SQL-only install, made by `bash scripts/sql-only.sh --uninstall`.
 -- Run it as the database owner: psql -d DATABASE -f uninstall.sql. It drops every event, every
--- counter and the failure path with the schema outbox; the roles outbox_writer, outbox_consumer
--- and outbox_admin stay (other databases may use them: DROP ROLE them when none does).
+-- counter and the failure path with the schema outbox, and what depends on them (views over
+-- outbox.messages or outbox_enqueue); the roles outbox_writer, outbox_consumer and outbox_admin
+-- stay (other databases may use them: DROP ROLE them when none does).
 \\set ON_ERROR_STOP on
 BEGIN;
 DO $uninstall$
@@ -363,7 +364,9 @@ DECLARE
 BEGIN
     FOR f IN SELECT p.oid::regprocedure FROM pg_catalog.pg_proc p
               WHERE p.pronamespace = '{SQL_ONLY_SCHEMA}'::regnamespace AND p.proname = ANY ({sql_array(public_functions())}) LOOP
-        EXECUTE pg_catalog.format('DROP FUNCTION %s', f);
+        -- CASCADE, as for the schema: a view over them (any role's, a temporary one included)
+        -- must not keep the install from going.
+        EXECUTE pg_catalog.format('DROP FUNCTION %s CASCADE', f);
     END LOOP;
 END
 $uninstall$;
