@@ -165,6 +165,18 @@ fn a_poison_event_is_dead_lettered_without_stalling_the_others() {
     assert!(relay.terminate().success());
 }
 
+/// Waits until the relay has recorded `total` events published: it writes them to Redis before
+/// its finish commits the round's journal, and a replay requested in between finds nothing to
+/// replay (one run in four of the two replay tests, on a loaded machine).
+fn wait_for_published(pg: &Cluster, total: usize) {
+    let mut admin = connect_as(pg, DATABASE, OWNER);
+    wait_for(DEADLINE, &format!("{total} events recorded published"), || {
+        let published: i64 =
+            admin.query_one("SELECT count(*) FROM outbox.messages WHERE status = 'published'", &[]).unwrap().get(0);
+        (published as usize >= total).then_some(())
+    });
+}
+
 #[test]
 fn a_replay_sends_published_events_again() {
     let pg = sql_only_server();
@@ -180,6 +192,7 @@ fn a_replay_sends_published_events_again() {
     relay.wait_for_line("ready: relaying database");
     let total = enqueue(&pg, 2, 10, 2);
     wait_for_distinct(&redis, total);
+    wait_for_published(&pg, total);
     let mut app = connect_as(&pg, DATABASE, OWNER);
     let replay: i64 = app
         .query_one(
@@ -209,6 +222,7 @@ fn a_replay_sends_the_same_events_whatever_the_databases_date_style() {
     let mut relay = start_relay(&pg, &redis, &["--poll-interval", "100ms"]);
     let total = enqueue(&pg, 2, 10, 2);
     wait_for_distinct(&redis, total);
+    wait_for_published(&pg, total);
     let mut app = connect_as(&pg, DATABASE, OWNER);
     let replay: i64 = app
         .query_one(
