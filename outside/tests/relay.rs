@@ -165,16 +165,28 @@ fn a_poison_event_is_dead_lettered_without_stalling_the_others() {
     assert!(relay.terminate().success());
 }
 
-/// Waits until the relay has recorded `total` events published: it writes them to Redis before
-/// its finish commits the round's journal, and a replay requested in between finds nothing to
-/// replay (one run in four of the two replay tests, on a loaded machine).
-fn wait_for_published(pg: &Cluster, total: usize) {
-    let mut admin = connect_as(pg, DATABASE, OWNER);
+/// Enqueues events, waits until the running relay has published them and recorded them published,
+/// and asks for their replay into the stream `replayed`: how many, and the replay's id. The relay
+/// writes a round to Redis before its finish commits the round's journal, and a replay requested
+/// in between finds nothing to replay (one run in four of the two replay tests, on a loaded
+/// machine).
+fn replay_what_was_published(pg: &Cluster, redis: &Redis) -> (usize, i64) {
+    let total = enqueue(pg, 2, 10, 2);
+    wait_for_distinct(redis, total);
+    let mut app = connect_as(pg, DATABASE, OWNER);
     wait_for(DEADLINE, &format!("{total} events recorded published"), || {
         let published: i64 =
-            admin.query_one("SELECT count(*) FROM outbox.messages WHERE status = 'published'", &[]).unwrap().get(0);
+            app.query_one("SELECT count(*) FROM outbox.messages WHERE status = 'published'", &[]).unwrap().get(0);
         (published as usize >= total).then_some(())
     });
+    let replay: i64 = app
+        .query_one(
+            "SELECT outbox.replay(since => now() - interval '1 hour', to_stream => 'replayed', partial => true)",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    (total, replay)
 }
 
 #[test]
@@ -190,17 +202,7 @@ fn a_replay_sends_published_events_again() {
         "100ms",
     ]);
     relay.wait_for_line("ready: relaying database");
-    let total = enqueue(&pg, 2, 10, 2);
-    wait_for_distinct(&redis, total);
-    wait_for_published(&pg, total);
-    let mut app = connect_as(&pg, DATABASE, OWNER);
-    let replay: i64 = app
-        .query_one(
-            "SELECT outbox.replay(since => now() - interval '1 hour', to_stream => 'replayed', partial => true)",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let (total, replay) = replay_what_was_published(&pg, &redis);
     let entries = redis.wait_for_entries("replayed", total);
     assert_eq!(entries.len(), total);
     relay.wait_for_line(&format!("replay {replay} is done"));
@@ -220,17 +222,7 @@ fn a_replay_sends_the_same_events_whatever_the_databases_date_style() {
         ))
         .unwrap();
     let mut relay = start_relay(&pg, &redis, &["--poll-interval", "100ms"]);
-    let total = enqueue(&pg, 2, 10, 2);
-    wait_for_distinct(&redis, total);
-    wait_for_published(&pg, total);
-    let mut app = connect_as(&pg, DATABASE, OWNER);
-    let replay: i64 = app
-        .query_one(
-            "SELECT outbox.replay(since => now() - interval '1 hour', to_stream => 'replayed', partial => true)",
-            &[],
-        )
-        .unwrap()
-        .get(0);
+    let (total, replay) = replay_what_was_published(&pg, &redis);
     relay.wait_for_line(&format!("replay {replay} is done"));
     assert_eq!(redis.xlen("replayed"), total);
     assert!(relay.terminate().success());
