@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::{
     cpu_ticks, grouped, percentile, pg, pgbench_tps, plural, prepare_backlog, redis_cpu_seconds, table_state,
-    ticks_to_us, wait_drained, wait_settled, wait_until, Args, Drain, Latency, Result, BACKLOG_PAYLOAD, DRAIN_STREAM,
+    wait_drained, wait_settled, wait_until, Args, Drain, Latency, Result, BACKLOG_PAYLOAD, DRAIN_STREAM,
     ENQUEUE_SCRIPT, OUTBOX_TABLES, PAYMENTS_DDL, PLAIN_SCRIPT,
 };
 
@@ -173,15 +173,7 @@ pub fn drain_outside(args: &Args, events: i64, aggregates: i64, processes: usize
         wait_settled(&mut admin)?;
         let backend_ticks = relay_backends(&mut admin)?.into_iter().map(cpu_ticks).sum::<Result<u64>>()?;
         let process_ticks = relays.iter().map(|r| cpu_ticks(r.pid())).sum::<Result<u64>>()?;
-        Ok(Drain {
-            relays: processes,
-            events_per_s,
-            cpu_us_per_event: ticks_to_us(backend_ticks + process_ticks) / events as f64,
-            client_cpu_us_per_event: Some(ticks_to_us(process_ticks) / events as f64),
-            redis_cpu_us_per_event,
-            dead_tuples: 0,
-            total_bytes: 0,
-        })
+        Ok(Drain::by_processes(processes, events, events_per_s, redis_cpu_us_per_event, backend_ticks, process_ticks))
     })();
     let stopped = stop_all(relays);
     let drain = measured?;
