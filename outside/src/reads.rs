@@ -7,6 +7,7 @@
 
 use outbox_round::db::{first, DbError, Row, Statements, Value};
 use outbox_round::snapshot::Snapshot;
+use outbox_round::time::timestamptz_text;
 use outbox_round::window::{Budget, LogEvent, Position, WindowAsk, WindowRead};
 use outbox_sink::event::{OutboxEvent, TraceContext};
 
@@ -134,7 +135,7 @@ fn log_event(mut row: Row, at: usize) -> Result<LogEvent, DbError> {
             headers,
             trace,
             stream: row.take::<String>(at + 9)?,
-            created_at: row.take::<String>(at + 10)?.unwrap_or_default(),
+            created_at: row.get::<i64>(at + 10)?.map(timestamptz_text).unwrap_or_default(),
             replay: None,
         },
     })

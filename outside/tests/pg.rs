@@ -89,9 +89,26 @@ fn text_like_columns_read_as_text_and_other_types_are_named() {
             Value::TextArray(vec![Some("x".into())]),
         ])]
     );
-    let error = select_one(&mut db, "SELECT 1 AS one, now() AS at", &[]).unwrap_err();
-    assert!(error.message.contains("column 1 (\"at\")"), "{error:?}");
-    assert!(error.message.contains("timestamptz (oid 1184)"), "{error:?}");
+    // A uuid reads as its text, a timestamptz as its microseconds since 2000 (the window reads').
+    let rows = select_one(
+        &mut db,
+        "SELECT '11111111-2222-3333-4444-55555555aaaa'::uuid, '2000-01-01 00:00:01.000002+00'::timestamptz, \
+                '-infinity'::timestamptz, 'infinity'::timestamptz",
+        &[],
+    )
+    .unwrap();
+    assert_eq!(
+        rows,
+        vec![Row::new(vec![
+            Value::Text("11111111-2222-3333-4444-55555555aaaa".into()),
+            Value::Int8(1_000_002),
+            Value::Int8(i64::MIN),
+            Value::Int8(i64::MAX),
+        ])]
+    );
+    let error = select_one(&mut db, "SELECT 1 AS one, 1.5 AS amount", &[]).unwrap_err();
+    assert!(error.message.contains("column 1 (\"amount\")"), "{error:?}");
+    assert!(error.message.contains("numeric (oid 1700)"), "{error:?}");
     assert!(error.message.contains("cast it in the statement"), "{error:?}");
     assert_eq!(error.sqlstate, None);
     let error = select_one(&mut db, "SELECT '{}'::jsonb AS payload", &[]).unwrap_err();

@@ -33,6 +33,57 @@ COMMENT ON FUNCTION outbox._event_size(text, text, text, text, text, text, text,
 REVOKE ALL ON FUNCTION outbox._event_size(text, text, text, text, text, text, text, text) FROM PUBLIC;
 
 -- -------------------------------------------------------------------------------------------------
+-- outbox._whole_transactions(the_shard, txids, afters, max_ids)
+--
+--     The events of transactions that outbox._read_window takes whole, as it returns them: those
+--     of transaction txids[n] in the shard with an id above afters[n], each with max_ids[n] (the
+--     transaction's largest id in the shard) as txn_max_id, transaction by transaction in the order
+--     given, each in id order. One query for all of them: a row loop in PL/pgSQL cost a drain
+--     about three times what the rows themselves cost to read.
+-- Returns: _read_window's columns, complete and the position NULL
+-- Called by: outbox._read_window
+-- -------------------------------------------------------------------------------------------------
+CREATE FUNCTION outbox._whole_transactions(the_shard smallint, txids bigint[], afters bigint[], max_ids bigint[])
+RETURNS TABLE (txid bigint, txn_max_id bigint, id bigint, event_id uuid, aggregate_type text,
+               aggregate_id text, event_type text, payload text, headers text, stream text,
+               created_at timestamptz, traceparent text, tracestate text, size bigint,
+               complete boolean, position_max_id bigint, position_last_id bigint)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+SET enable_seqscan = off
+SET enable_bitmapscan = off
+SET plan_cache_mode = force_generic_plan
+AS $fn$
+BEGIN
+    IF cardinality(txids) > 0 THEN
+        RETURN QUERY
+            SELECT x.txid, t.max_id, x.id, x.event_id, x.aggregate_type, x.aggregate_id, x.event_type,
+                   x.payload, x.headers, x.stream, x.created_at, x.tp, x.ts,
+                   outbox._event_size(x.aggregate_type, x.aggregate_id, x.event_type, x.payload, x.headers,
+                                      x.tp, x.ts, x.stream),
+                   NULL::boolean, NULL::bigint, NULL::bigint
+              FROM unnest(txids, afters, max_ids) WITH ORDINALITY AS t(txid, after_id, max_id, n)
+             CROSS JOIN LATERAL (
+                   SELECT e.txid::text::bigint AS txid, e.id, e.event_id,
+                          e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text AS payload,
+                          e.headers::text AS headers, e.stream,
+                          e.created_at,
+                          outbox._traceparent(e.headers) AS tp, outbox._tracestate(e.headers) AS ts
+                     FROM outbox.events e
+                    WHERE e.shard = the_shard AND e.txid = t.txid::text::xid8 AND e.id > t.after_id
+                   OFFSET 0) x
+             ORDER BY t.n, x.id;
+    END IF;
+END
+$fn$;
+
+COMMENT ON FUNCTION outbox._whole_transactions(smallint, bigint[], bigint[], bigint[]) IS
+    'Relay internal: the events of the transactions outbox._read_window takes whole, in publish order';
+
+REVOKE ALL ON FUNCTION outbox._whole_transactions(smallint, bigint[], bigint[], bigint[]) FROM PUBLIC;
+
+-- -------------------------------------------------------------------------------------------------
 -- outbox._read_window(the_shard, cursor, upto, window_max_id, window_last_id, max_events,
 --                     max_bytes, taken)
 --
@@ -70,10 +121,11 @@ REVOKE ALL ON FUNCTION outbox._event_size(text, text, text, text, text, text, te
 -- Returns, in this order (SELECT * FROM the function keeps it):
 --     one row per event taken, in publish order:
 --         txid (xid8 as bigint), txn_max_id (the transaction's largest id in the shard in a read
---         in parts, the event's own id in a whole-window read), id, event_id, aggregate_type,
+--         in parts, the event's own id in a whole-window read), id, event_id (uuid), aggregate_type,
 --         aggregate_id, event_type, payload (jsonb::text), headers (jsonb::text or NULL),
---         stream, created_at (RFC 3339 UTC with microseconds, as to_char writes it, '' for an
---         infinity), traceparent and tracestate (as outbox_sink's TraceContext::from_headers
+--         stream, created_at (timestamptz: the relay writes it as RFC 3339, round/src/time.rs;
+--         as text here it cost a drain a microsecond an event, to_char's), traceparent and
+--         tracestate (as outbox_sink's TraceContext::from_headers
 --         finds them in the headers, else NULL), size (outbox._event_size);
 --         complete, position_max_id, position_last_id NULL;
 --     then one last row, every event column NULL, with:
@@ -87,9 +139,9 @@ REVOKE ALL ON FUNCTION outbox._event_size(text, text, text, text, text, text, te
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._read_window(the_shard smallint, cursor text, upto text, window_max_id bigint,
                                     window_last_id bigint, max_events integer, max_bytes bigint, taken integer)
-RETURNS TABLE (txid bigint, txn_max_id bigint, id bigint, event_id text, aggregate_type text,
+RETURNS TABLE (txid bigint, txn_max_id bigint, id bigint, event_id uuid, aggregate_type text,
                aggregate_id text, event_type text, payload text, headers text, stream text,
-               created_at text, traceparent text, tracestate text, size bigint,
+               created_at timestamptz, traceparent text, tracestate text, size bigint,
                complete boolean, position_max_id bigint, position_last_id bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -138,6 +190,13 @@ DECLARE
     one        bigint;
     p          record;
     r          record;
+    -- The transactions taken whole, not yet returned: one query returns them all (a row loop in
+    -- PL/pgSQL was most of a drain's cost here), before the next transaction read row by row.
+    whole_ts    bigint[] := '{}';
+    whole_after bigint[] := '{}';
+    whole_max   bigint[] := '{}';
+    t_events    bigint;
+    t_bytes     bigint;
 BEGIN
     IF left_events <= 0 OR left_bytes <= 0 THEN
         complete := false;
@@ -152,6 +211,20 @@ BEGIN
     -- first event's exception never makes a window that reaches either bound fit). Counted in
     -- index order, stopping at either bound; then read again in id order.
     IF NOT resumed THEN
+        -- A window with as many events as the allowance does not fit, whatever their sizes:
+        -- counted from the index without reading an event (a drain's backlog never fits).
+        SELECT count(*) INTO n
+          FROM (SELECT 1 FROM outbox.events e
+                 WHERE e.shard = the_shard AND e.txid = ANY (seen)
+                UNION ALL
+                SELECT 1 FROM outbox.events e
+                 WHERE e.shard = the_shard AND e.txid >= from_xmax AND e.txid < upto_xmax
+                   AND pg_visible_in_snapshot(e.txid, u)
+                 LIMIT left_events) x;
+        fits := n < left_events;
+        n := 0;
+    END IF;
+    IF NOT resumed AND fits THEN
         FOR one IN
             SELECT outbox._event_size(e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text,
                                       e.headers::text, outbox._traceparent(e.headers),
@@ -175,9 +248,9 @@ BEGIN
         END LOOP;
         IF fits THEN
             RETURN QUERY
-                SELECT w.txid::text::bigint, w.id, w.id, w.event_id::text, w.aggregate_type, w.aggregate_id,
+                SELECT w.txid::text::bigint, w.id, w.id, w.event_id, w.aggregate_type, w.aggregate_id,
                        w.event_type, w.payload, w.headers_text, w.stream,
-                       coalesce(to_char(w.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), ''),
+                       w.created_at,
                        w.tp, w.ts,
                        outbox._event_size(w.aggregate_type, w.aggregate_id, w.event_type, w.payload,
                                           w.headers_text, w.tp, w.ts, w.stream),
@@ -272,6 +345,41 @@ BEGIN
             EXIT;
         END IF;
         after := CASE WHEN p.max_id = start_max THEN start_last ELSE lowest END;
+        IF NOT p.spans THEN
+            -- Taken whole if all of it fits, as the row loop below would take it: every event
+            -- while the allowance lasts, the round's first whatever its size.
+            SELECT count(*), coalesce(sum(outbox._event_size(e.aggregate_type, e.aggregate_id, e.event_type,
+                                                            e.payload::text, e.headers::text,
+                                                            outbox._traceparent(e.headers),
+                                                            outbox._tracestate(e.headers), e.stream)), 0)
+              INTO t_events, t_bytes
+              FROM outbox.events e
+             WHERE e.shard = the_shard AND e.txid = p.t AND e.id > after;
+            IF t_events <= left_events AND (t_bytes <= left_bytes OR (t_events = 1 AND took = 0)) THEN
+                IF t_events > 0 THEN
+                    whole_ts := whole_ts || p.t::text::bigint;
+                    whole_after := whole_after || after;
+                    whole_max := whole_max || p.max_id;
+                    left_events := left_events - t_events;
+                    left_bytes := greatest(left_bytes - t_bytes, 0);
+                    took := took + t_events;
+                    pos_max := p.max_id;
+                    pos_last := p.max_id;
+                END IF;
+                -- A read that ends with the allowance used up counts as stopped, even at the
+                -- transaction's last event (LogTable::read checks the allowance before each row).
+                IF left_events <= 0 OR left_bytes <= 0 THEN
+                    done := false;
+                    EXIT;
+                END IF;
+                CONTINUE;
+            END IF;
+        END IF;
+        -- Those taken whole come first.
+        RETURN QUERY SELECT * FROM outbox._whole_transactions(the_shard, whole_ts, whole_after, whole_max);
+        whole_ts := '{}';
+        whole_after := '{}';
+        whole_max := '{}';
         whole := true;
         cut := NULL;
         IF p.spans THEN
@@ -315,34 +423,36 @@ BEGIN
             END IF;
             whole := cut IS NULL;
         END IF;
-        FOR r IN
-            SELECT e.generation, e.txid::text::bigint AS txid, e.id, e.event_id::text AS event_id,
-                   e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text AS payload,
-                   e.headers::text AS headers, e.stream,
-                   coalesce(to_char(e.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'), '') AS created_at,
-                   outbox._traceparent(e.headers) AS tp, outbox._tracestate(e.headers) AS ts
-              FROM outbox.events e
-             WHERE e.shard = the_shard AND e.txid = p.t AND e.id > after
-             ORDER BY e.id
+        -- Fetched straight into the output columns (one assignment per row, not one per column:
+        -- a drain's per-event cost here was most of the outside relay's read). A row its table's
+        -- own read did not reach is not there to take (a transaction in two tables).
+        FOR txid, txn_max_id, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream,
+            created_at, traceparent, tracestate, size IN
+            SELECT x.txid, p.max_id, x.id, x.event_id, x.aggregate_type, x.aggregate_id, x.event_type, x.payload,
+                   x.headers, x.stream, x.created_at, x.tp, x.ts,
+                   outbox._event_size(x.aggregate_type, x.aggregate_id, x.event_type, x.payload, x.headers,
+                                      x.tp, x.ts, x.stream)
+              FROM (SELECT e.txid::text::bigint AS txid, e.id, e.event_id,
+                           e.aggregate_type, e.aggregate_id, e.event_type, e.payload::text AS payload,
+                           e.headers::text AS headers, e.stream,
+                           e.created_at,
+                           outbox._traceparent(e.headers) AS tp, outbox._tracestate(e.headers) AS ts
+                      FROM outbox.events e
+                     WHERE e.shard = the_shard AND e.txid = p.t AND e.id > after
+                       AND (NOT p.spans OR e.id <= last_read[e.generation + 1])
+                    OFFSET 0) x
+             ORDER BY x.id
         LOOP
-            -- A row its table's own read did not reach is not there to take.
-            CONTINUE WHEN p.spans AND r.id > last_read[r.generation + 1];
-            one := outbox._event_size(r.aggregate_type, r.aggregate_id, r.event_type, r.payload, r.headers,
-                                      r.tp, r.ts, r.stream);
-            IF (cut IS NOT NULL AND r.id > cut)
-               OR left_events <= 0 OR left_bytes <= 0 OR NOT (one <= left_bytes OR took = 0) THEN
+            IF (cut IS NOT NULL AND id > cut)
+               OR left_events <= 0 OR left_bytes <= 0 OR NOT (size <= left_bytes OR took = 0) THEN
                 whole := false;
                 EXIT;
             END IF;
             left_events := left_events - 1;
-            left_bytes := greatest(left_bytes - one, 0);
+            left_bytes := greatest(left_bytes - size, 0);
             took := took + 1;
-            txid := r.txid; txn_max_id := p.max_id; id := r.id; event_id := r.event_id;
-            aggregate_type := r.aggregate_type; aggregate_id := r.aggregate_id; event_type := r.event_type;
-            payload := r.payload; headers := r.headers; stream := r.stream; created_at := r.created_at;
-            traceparent := r.tp; tracestate := r.ts; size := one;
             pos_max := p.max_id;
-            pos_last := r.id;
+            pos_last := id;
             RETURN NEXT;
         END LOOP;
         -- A table's read that ends with the allowance used up counts as stopped, even at the
@@ -355,6 +465,7 @@ BEGIN
             EXIT;
         END IF;
     END LOOP;
+    RETURN QUERY SELECT * FROM outbox._whole_transactions(the_shard, whole_ts, whole_after, whole_max);
     txid := NULL; txn_max_id := NULL; id := NULL; event_id := NULL; aggregate_type := NULL;
     aggregate_id := NULL; event_type := NULL; payload := NULL; headers := NULL; stream := NULL;
     created_at := NULL; traceparent := NULL; tracestate := NULL; size := NULL;
@@ -394,9 +505,9 @@ REVOKE ALL ON FUNCTION outbox._read_window(smallint, text, text, bigint, bigint,
 -- -------------------------------------------------------------------------------------------------
 CREATE FUNCTION outbox._read_windows(shards smallint[], cursors text[], uptos text[], window_max_ids bigint[],
                                      window_last_ids bigint[], max_events integer, max_bytes bigint, taken integer)
-RETURNS TABLE (shard smallint, txid bigint, txn_max_id bigint, id bigint, event_id text, aggregate_type text,
+RETURNS TABLE (shard smallint, txid bigint, txn_max_id bigint, id bigint, event_id uuid, aggregate_type text,
                aggregate_id text, event_type text, payload text, headers text, stream text,
-               created_at text, traceparent text, tracestate text, size bigint,
+               created_at timestamptz, traceparent text, tracestate text, size bigint,
                complete boolean, position_max_id bigint, position_last_id bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -412,7 +523,6 @@ DECLARE
     took        integer := taken;
     c           pg_snapshot;
     u           pg_snapshot;
-    w           record;
 BEGIN
     IF cardinality(cursors) <> cardinality(shards) OR cardinality(uptos) <> cardinality(shards)
        OR cardinality(window_max_ids) <> cardinality(shards) OR cardinality(window_last_ids) <> cardinality(shards) THEN
@@ -436,16 +546,14 @@ BEGIN
             RETURN NEXT;
             CONTINUE;
         END IF;
-        FOR w IN SELECT * FROM outbox._read_window(shards[n], cursors[n], uptos[n], window_max_ids[n],
-                                                   window_last_ids[n], left_events, left_bytes, took) LOOP
-            txid := w.txid; txn_max_id := w.txn_max_id; id := w.id; event_id := w.event_id;
-            aggregate_type := w.aggregate_type; aggregate_id := w.aggregate_id; event_type := w.event_type;
-            payload := w.payload; headers := w.headers; stream := w.stream; created_at := w.created_at;
-            traceparent := w.traceparent; tracestate := w.tracestate; size := w.size;
-            complete := w.complete; position_max_id := w.position_max_id; position_last_id := w.position_last_id;
-            IF w.complete IS NULL THEN
+        -- Straight into the output columns: one assignment per row, not one per column.
+        FOR txid, txn_max_id, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream,
+            created_at, traceparent, tracestate, size, complete, position_max_id, position_last_id IN
+            SELECT * FROM outbox._read_window(shards[n], cursors[n], uptos[n], window_max_ids[n],
+                                              window_last_ids[n], left_events, left_bytes, took) LOOP
+            IF complete IS NULL THEN
                 left_events := left_events - 1;
-                left_bytes := greatest(left_bytes - w.size, 0);
+                left_bytes := greatest(left_bytes - size, 0);
                 took := took + 1;
             END IF;
             RETURN NEXT;
