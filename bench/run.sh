@@ -15,6 +15,8 @@
 #                                    # relay (drain 1/2 processes, latency at 1,000/s, PL/pgSQL enqueue ratio);
 #                                    # OUTBOX_LOG_MIN_DURATION=50ms (any OUTBOX_* setting) reaches outbox-relay;
 #                                    # BENCH_NOTE="..." goes into outside.md
+#   BENCH_MODE=outside-latency bash bench/run.sh [--quick]  # only outbox-relay's latency at 1,000/s, three
+#                                    # runs printed (for trying a change to its loop; no report written)
 # Builds and installs the release extension, starts a private PostgreSQL (fsync on, default
 # synchronous_commit, wal_level = logical for the CDC relay's slot) with outbox_pg preloaded and a private Redis on free loopback ports; their logs
 # (slow autovacuums and lock waits included) stay in $BENCH_DIR (default /tmp/opg-bench) afterwards.
@@ -35,7 +37,7 @@ cargo build --release -p outbox-bench >/dev/null 2>&1 || cargo build --release -
 # The relay outside the server (issue 37), for the full run and BENCH_MODE=outside: about 3 minutes
 # (fat LTO), built once before any measurement.
 outside=0
-case "${BENCH_MODE:-all}" in all | outside) outside=1 ;; esac
+case "${BENCH_MODE:-all}" in all | outside | outside-latency) outside=1 ;; esac
 if [ $outside = 1 ]; then
   echo "== building (release): outbox-relay"
   cargo build --release -p outbox-relay >/dev/null 2>&1 || cargo build --release -p outbox-relay

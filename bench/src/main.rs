@@ -123,6 +123,7 @@ fn main() {
         "drain" => drain_only(&args),
         "payload" => payload_only(&args),
         "outside" => outside_only(&args),
+        "outside-latency" => outside::latency_only(&args),
         other => Err(format!("unknown command {other:?}").into()),
     });
     if let Err(error) = result {

@@ -294,6 +294,26 @@ pub fn measure(args: &Args, drain_events: i64, latency_s: u32, tps_s: u32) -> Re
     Ok(Outside { drains, latency, enqueue })
 }
 
+/// `BENCH_MODE=outside-latency`: only the outside relay's latency at 1,000 events/s (15 s, or 3
+/// with `--quick`), printed, three times over; for trying a change to the relay's loop, not for
+/// the report.
+pub fn latency_only(args: &Args) -> Result<()> {
+    let seconds = if args.quick { 3 } else { 15 };
+    let sql_only = create_sql_only(args)?;
+    for run in 1..=3 {
+        let latency = crate::latency_of(&sql_only, crate::Peer::Outside, 1000, seconds)?;
+        eprintln!(
+            "run {run}: p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.1} ms ({} missing)",
+            percentile(&latency.samples_ms, 50.0),
+            percentile(&latency.samples_ms, 90.0),
+            percentile(&latency.samples_ms, 99.0),
+            latency.samples_ms.last().copied().unwrap_or(f64::NAN),
+            latency.missing
+        );
+    }
+    Ok(())
+}
+
 fn best(drains: &[Drain]) -> Option<&Drain> {
     drains.iter().max_by(|a, b| a.events_per_s.total_cmp(&b.events_per_s))
 }
