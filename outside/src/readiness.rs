@@ -43,6 +43,7 @@ pub const ROUND_FUNCTIONS: &[&str] = &[
     "_database_created_by",
     "_read_window",
     "_read_windows",
+    "_whole_transactions",
     "_last_seqs",
     "_join_relays",
 ];
