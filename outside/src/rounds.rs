@@ -73,6 +73,8 @@ pub fn raise_repairs() {
 /// The state a failure of Redis is logged under: once per outage, whatever each retry's error
 /// says (refused, reset, timed out), until a round publishes again.
 const REDIS_DOWN: &str = "Redis down";
+/// The shortest time a count of the relays sharing the shards is kept, just after joining.
+const SHARE_RECOUNT_MIN: Duration = Duration::from_millis(10);
 /// Housekeeping at least this often, and no more often than once per poll interval.
 const HOUSEKEEPING_MIN: Duration = Duration::from_secs(1);
 
@@ -96,8 +98,9 @@ pub struct Relay {
     /// This relay's share of the shards, and when it was counted.
     share: Option<(usize, Instant)>,
     replays_running: bool,
-    /// The backend this relay joined the database's relays as (`readiness::join`).
+    /// The backend this relay joined the database's relays as (`readiness::join`), and when.
     joined: Option<i32>,
+    joined_at: Instant,
     /// The last full readiness check that passed: on which backend, when, and the wake channel.
     ready: Option<(i32, Instant, Option<String>)>,
     /// A loss repair runs (or may): replay rounds only, until none does.
@@ -136,6 +139,7 @@ impl Relay {
             share: None,
             replays_running: false,
             joined: None,
+            joined_at: Instant::now(),
             ready: None,
             repairing: false,
             kept_alive_at: Instant::now(),
@@ -203,6 +207,8 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
             return Ok(Outcome::NotReady(conflict));
         }
         relay.joined = Some(db.backend_pid());
+        relay.joined_at = Instant::now();
+        relay.share = None;
     }
     if let Some(retry_at) = relay.retry_at {
         let left = retry_at.saturating_duration_since(Instant::now());
@@ -342,8 +348,12 @@ fn judge(
 /// The settings of the round about to run.
 fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings, DbError> {
     let config = &relay.config;
+    // Counted again after at most as long as this relay has been joined, up to the poll
+    // interval: relays started together join a few milliseconds apart, and the first to count
+    // alone held every shard for a poll interval (two relays draining a backlog were one).
+    let recount = config.poll_interval.min(relay.joined_at.elapsed().max(SHARE_RECOUNT_MIN));
     let share = match relay.share {
-        Some((share, at)) if at.elapsed() < config.poll_interval => share,
+        Some((share, at)) if at.elapsed() < recount => share,
         _ => {
             let lease_ms = config.lease_ms();
             let counted = db.transaction(|db| {
