@@ -29,7 +29,7 @@ use outbox_sink::redis::RedisSink;
 use crate::config::Config;
 use crate::log::{self, Level, OncePerChange};
 use crate::password::PasswordFile;
-use crate::pg::{PgDatabase, APPLICATION_NAME};
+use crate::pg::{PgDatabase, APPLICATION_NAME, DEFAULT_WAKE_CHANNEL};
 use crate::readiness::{self, Readiness};
 
 /// The relays sharing this database's shards: those that joined (`outbox._join_relays`), whose
@@ -68,6 +68,18 @@ static REPAIRS_RAISED: AtomicBool = AtomicBool::new(false);
 /// outbox-round's `raise_repairs` hook.
 pub fn raise_repairs() {
     REPAIRS_RAISED.store(true, Ordering::SeqCst);
+}
+
+/// Raised when this relay's claim gave shards back (its share shrank: another relay joined):
+/// after the round, a notification on the wake channel wakes the relays asleep for their poll
+/// interval, which take them at once. Without it, a relay that joined while another held every
+/// shard found nothing at its first look and slept a whole poll interval (two relays draining a
+/// backlog were one).
+static SHARDS_GIVEN_BACK: AtomicBool = AtomicBool::new(false);
+
+/// outbox-round's `wake_relays` hook.
+pub fn shards_given_back() {
+    SHARDS_GIVEN_BACK.store(true, Ordering::SeqCst);
 }
 
 /// The state a failure of Redis is logged under: once per outage, whatever each retry's error
@@ -241,6 +253,11 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
     }
     let mut timings = RoundTimings::default();
     let mut outcome = round::tick(db, &mut relay.sink, &settings, &mut relay.state, &mut relay.flight, &mut timings);
+    if SHARDS_GIVEN_BACK.swap(false, Ordering::SeqCst) {
+        // After the claim's commit: the shards are free when the others look.
+        let channel = wake.as_deref().unwrap_or(DEFAULT_WAKE_CHANNEL);
+        db.query_outside_transaction("SELECT pg_catalog.pg_notify($1, '')", &[channel.into()])?;
+    }
     if let Some(line) = relay.config.log_min_duration.and_then(|threshold| timings.slow_round_line(&outcome, threshold))
     {
         log::info(&line);

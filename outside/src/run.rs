@@ -51,6 +51,7 @@ pub fn main() -> i32 {
         log: log::info,
         warning: log::warning,
         raise_repairs: rounds::raise_repairs,
+        wake_relays: rounds::shards_given_back,
         ..outbox_round::hooks::Hooks::default()
     });
     let stop = Arc::new(AtomicBool::new(false));
