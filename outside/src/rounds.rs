@@ -365,12 +365,13 @@ fn judge(
 /// The settings of the round about to run.
 fn tick_settings(db: &mut PgDatabase, relay: &mut Relay) -> Result<TickSettings, DbError> {
     let config = &relay.config;
-    // Counted again after at most as long as this relay has been joined, up to the poll
-    // interval: relays started together join a few milliseconds apart, and the first to count
-    // alone held every shard for a poll interval (two relays draining a backlog were one).
-    let recount = config.poll_interval.min(relay.joined_at.elapsed().max(SHARE_RECOUNT_MIN));
+    // A count is kept as long as this relay had been joined when it counted, from 10 ms up to the
+    // poll interval: relays started together join a few milliseconds apart, and the first to
+    // count alone held every shard for a poll interval (two relays draining a backlog were one).
+    let kept_for =
+        |at: Instant| config.poll_interval.min(at.saturating_duration_since(relay.joined_at).max(SHARE_RECOUNT_MIN));
     let share = match relay.share {
-        Some((share, at)) if at.elapsed() < recount => share,
+        Some((share, at)) if at.elapsed() < kept_for(at) => share,
         _ => {
             let lease_ms = config.lease_ms();
             let counted = db.transaction(|db| {
