@@ -2,11 +2,13 @@
 //! step 4): every committed event reaches Redis once a relay runs, none of a rolled-back
 //! transaction, each aggregate's events in order and numbered 1, 2, 3, ...; a relay killed with
 //! SIGKILL mid-drain and started again loses nothing (at least once: what its round in flight had
-//! sent may come twice, in order); two relays share the shards.
+//! sent may come twice, in order); two relays share the shards, and one started later gets its
+//! share long before a poll interval.
 
 mod common;
 
 use common::*;
+use std::time::Duration;
 
 #[test]
 fn every_committed_event_reaches_redis_in_order_and_no_rolled_back_one() {
@@ -67,6 +69,43 @@ fn two_relays_share_the_shards_and_publish_everything_once_in_order() {
             .get(0);
         (holders == 2).then_some(())
     });
+    assert!(first.terminate().success());
+    assert!(second.terminate().success());
+}
+
+#[test]
+fn a_relay_started_later_gets_its_share_long_before_the_poll_interval() {
+    let pg = sql_only_server();
+    let redis = Redis::start();
+    // A poll interval far longer than the wait below: the shares must change because the relays
+    // count each other again soon after one joins, not because a poll interval passed.
+    let slow = ["--poll-interval", "120s"];
+    let mut first = start_relay(&pg, &redis, &slow);
+    // 64 aggregates fall in every one of the 16 shards: alone, the first relay holds them all.
+    let mut total = enqueue(&pg, 4, 64, 64);
+    wait_for_distinct(&redis, total);
+    let mut app = connect_as(&pg, DATABASE, OWNER);
+    let holders = |app: &mut postgres::Client| -> (i64, i64) {
+        let row = app
+            .query_one(
+                "SELECT count(DISTINCT claimed_by), count(claimed_by) FROM outbox.shards WHERE claimed_by IS NOT NULL",
+                &[],
+            )
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    wait_for(DEADLINE, "the first relay to hold every shard", || (holders(&mut app) == (1, 16)).then_some(()));
+    let mut second = start_relay(&pg, &redis, &slow);
+    // Writers keep both relays turning (a relay counts in its rounds).
+    let mut t = 1_000;
+    wait_for(Duration::from_secs(30), "both relays to hold shards", || {
+        enqueue_one(&mut app, t, 16, 64);
+        t += 1;
+        total += 16;
+        (holders(&mut app).0 == 2).then_some(())
+    });
+    wait_for_distinct(&redis, total);
+    assert_in_order(&redis, total);
     assert!(first.terminate().success());
     assert!(second.terminate().success());
 }
