@@ -256,7 +256,8 @@ fn turn(db: &mut PgDatabase, relay: &mut Relay) -> Result<Outcome, DbError> {
     if SHARDS_GIVEN_BACK.swap(false, Ordering::SeqCst) {
         // After the claim's commit: the shards are free when the others look.
         let channel = wake.as_deref().unwrap_or(DEFAULT_WAKE_CHANNEL);
-        db.query_outside_transaction("SELECT pg_catalog.pg_notify($1, '')", &[channel.into()])?;
+        // Cast: the relay reads no column of type void.
+        db.query_outside_transaction("SELECT pg_catalog.pg_notify($1, '')::pg_catalog.text", &[channel.into()])?;
     }
     if let Some(line) = relay.config.log_min_duration.and_then(|threshold| timings.slow_round_line(&outcome, threshold))
     {
