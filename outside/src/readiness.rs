@@ -44,6 +44,7 @@ pub const ROUND_FUNCTIONS: &[&str] = &[
     "_read_window",
     "_read_windows",
     "_whole_transactions",
+    "_event_size",
     "_last_seqs",
     "_join_relays",
 ];
