@@ -423,9 +423,8 @@ BEGIN
             END IF;
             whole := cut IS NULL;
         END IF;
-        -- Fetched straight into the output columns (one assignment per row, not one per column:
-        -- a drain's per-event cost here was most of the outside relay's read). A row its table's
-        -- own read did not reach is not there to take (a transaction in two tables).
+        -- Row by row: a transaction the allowance cuts, or one in two log tables. A row its
+        -- table's own read did not reach is not there to take.
         FOR txid, txn_max_id, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream,
             created_at, traceparent, tracestate, size IN
             SELECT x.txid, p.max_id, x.id, x.event_id, x.aggregate_type, x.aggregate_id, x.event_type, x.payload,
@@ -546,7 +545,7 @@ BEGIN
             RETURN NEXT;
             CONTINUE;
         END IF;
-        -- Straight into the output columns: one assignment per row, not one per column.
+        -- Into the output columns as they come.
         FOR txid, txn_max_id, id, event_id, aggregate_type, aggregate_id, event_type, payload, headers, stream,
             created_at, traceparent, tracestate, size, complete, position_max_id, position_last_id IN
             SELECT * FROM outbox._read_window(shards[n], cursors[n], uptos[n], window_max_ids[n],
