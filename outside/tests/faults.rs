@@ -197,14 +197,7 @@ fn a_relay_stopped_past_its_lease_loses_its_shards_and_nothing_is_lost() {
     let first = enqueue(&pg, 10, 64, 64);
     wait_for_distinct(&redis, first);
     let mut app = connect_as(&pg, DATABASE, OWNER);
-    let holders = |app: &mut postgres::Client| -> Vec<i32> {
-        app.query("SELECT DISTINCT claimed_by FROM outbox.shards WHERE claimed_by IS NOT NULL ORDER BY 1", &[])
-            .unwrap()
-            .iter()
-            .map(|row| row.get(0))
-            .collect()
-    };
-    wait_for(DEADLINE, "both relays to hold shards", || (holders(&mut app).len() == 2).then_some(()));
+    wait_for(DEADLINE, "both relays to hold shards", || (shard_holders(&mut app).len() == 2).then_some(()));
     // The frozen relay's backend: the one that is not the other's (each relay has one).
     let backends = relay_backends(&pg);
     assert_eq!(backends.len(), 2, "{backends:?}");
@@ -216,7 +209,7 @@ fn a_relay_stopped_past_its_lease_loses_its_shards_and_nothing_is_lost() {
     wait_for_distinct(&redis, first + second);
     let took_over = started.elapsed();
     eprintln!("the frozen relay's shards were taken over and drained {took_over:?} after SIGSTOP");
-    assert_eq!(holders(&mut app).len(), 1, "one relay holds every shard");
+    assert_eq!(shard_holders(&mut app).len(), 1, "one relay holds every shard");
     frozen.signal(libc::SIGCONT);
     let third = enqueue(&pg, 5, 64, 64);
     wait_for_distinct(&redis, first + second + third);

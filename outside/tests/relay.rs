@@ -62,13 +62,7 @@ fn two_relays_share_the_shards_and_publish_everything_once_in_order() {
     // Both relays held shards: each one's backend pid is in outbox.shards (or was: a full read
     // shares them out once both are counted).
     let mut app = connect_as(&pg, DATABASE, OWNER);
-    wait_for(DEADLINE, "both relays to hold shards", || {
-        let holders: i64 = app
-            .query_one("SELECT count(DISTINCT claimed_by) FROM outbox.shards WHERE claimed_by IS NOT NULL", &[])
-            .unwrap()
-            .get(0);
-        (holders == 2).then_some(())
-    });
+    wait_for(DEADLINE, "both relays to hold shards", || (shard_holders(&mut app).len() == 2).then_some(()));
     assert!(first.terminate().success());
     assert!(second.terminate().success());
 }
@@ -85,16 +79,9 @@ fn a_relay_started_later_gets_its_share_long_before_the_poll_interval() {
     let mut total = enqueue(&pg, 4, 64, 64);
     wait_for_distinct(&redis, total);
     let mut app = connect_as(&pg, DATABASE, OWNER);
-    let holders = |app: &mut postgres::Client| -> (i64, i64) {
-        let row = app
-            .query_one(
-                "SELECT count(DISTINCT claimed_by), count(claimed_by) FROM outbox.shards WHERE claimed_by IS NOT NULL",
-                &[],
-            )
-            .unwrap();
-        (row.get(0), row.get(1))
-    };
-    wait_for(DEADLINE, "the first relay to hold every shard", || (holders(&mut app) == (1, 16)).then_some(()));
+    wait_for(DEADLINE, "the first relay to hold every shard", || {
+        matches!(shard_holders(&mut app)[..], [(_, 16)]).then_some(())
+    });
     let mut second = start_relay(&pg, &redis, &slow);
     // Writers keep both relays turning (a relay counts in its rounds).
     let mut t = 1_000;
@@ -102,7 +89,7 @@ fn a_relay_started_later_gets_its_share_long_before_the_poll_interval() {
         enqueue_one(&mut app, t, 16, 64);
         t += 1;
         total += 16;
-        (holders(&mut app).0 == 2).then_some(())
+        (shard_holders(&mut app).len() == 2).then_some(())
     });
     wait_for_distinct(&redis, total);
     assert_in_order(&redis, total);

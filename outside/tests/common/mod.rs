@@ -275,6 +275,15 @@ pub fn wait_for_nothing_pending(pg: &Cluster) {
     });
 }
 
+/// Which backends hold shards in `outbox.shards`, each with how many, by pid.
+pub fn shard_holders(app: &mut postgres::Client) -> Vec<(i32, i64)> {
+    app.query("SELECT claimed_by, count(*) FROM outbox.shards WHERE claimed_by IS NOT NULL GROUP BY 1 ORDER BY 1", &[])
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
 /// The pids of the relays' backends in `DATABASE`.
 pub fn relay_backends(pg: &Cluster) -> Vec<i32> {
     pg.connect()
